@@ -1,0 +1,44 @@
+# The two commands: `make run` (train: a server and two learners) and `make test`.
+# Both create .venv and install on first use; later runs skip the install.
+
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU wheel that installs offline on the development machines. Users with GPUs:
+#   make run TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url https://download.pytorch.org/whl/cu128'
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?= torch==$(TORCH_VERSION)
+PIP_EXTRA ?=
+RUN_SECONDS ?= 180
+RUN_LEARNERS ?= 2
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+
+.PHONY: install run test proto proto-check lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check $(PIP_EXTRA) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+run: $(STAMP)
+	$(BIN)/python deploy/local_run.py --duration-s $(RUN_SECONDS) --learners $(RUN_LEARNERS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+proto: $(STAMP)
+	$(BIN)/python -m common.protogen
+
+proto-check: $(STAMP)
+	$(BIN)/python -m common.protogen --check
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,207 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CODEC_UNSPECIFIED: _ClassVar[Codec]
+    CODEC_FP32: _ClassVar[Codec]
+    CODEC_BF16: _ClassVar[Codec]
+    CODEC_FP4_E2M1: _ClassVar[Codec]
+
+class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUSH_KIND_UNSPECIFIED: _ClassVar[PushKind]
+    PUSH_KIND_DELTA: _ClassVar[PushKind]
+    PUSH_KIND_INITIAL: _ClassVar[PushKind]
+
+class PullKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PULL_KIND_UNSPECIFIED: _ClassVar[PullKind]
+    PULL_KIND_SNAPSHOT: _ClassVar[PullKind]
+    PULL_KIND_UP_TO_DATE: _ClassVar[PullKind]
+CODEC_UNSPECIFIED: Codec
+CODEC_FP32: Codec
+CODEC_BF16: Codec
+CODEC_FP4_E2M1: Codec
+PUSH_KIND_UNSPECIFIED: PushKind
+PUSH_KIND_DELTA: PushKind
+PUSH_KIND_INITIAL: PushKind
+PULL_KIND_UNSPECIFIED: PullKind
+PULL_KIND_SNAPSHOT: PullKind
+PULL_KIND_UP_TO_DATE: PullKind
+
+class EncodedTensor(_message.Message):
+    __slots__ = ("codec", "shape", "payload", "scales", "crc32")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    CRC32_FIELD_NUMBER: _ClassVar[int]
+    codec: Codec
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    payload: bytes
+    scales: bytes
+    crc32: int
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+
+class EncodedFragment(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[EncodedTensor]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[EncodedTensor, _Mapping]]] = ...) -> None: ...
+
+class ParamSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class FragmentLayout(_message.Message):
+    __slots__ = ("fragment_id", "param_indices", "version")
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARAM_INDICES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    fragment_id: int
+    param_indices: _containers.RepeatedScalarFieldContainer[int]
+    version: int
+    def __init__(self, fragment_id: _Optional[int] = ..., param_indices: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("learner_id", "fingerprint", "codecs")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    fingerprint: _containers.RepeatedCompositeFieldContainer[ParamSpec]
+    codecs: _containers.RepeatedScalarFieldContainer[Codec]
+    def __init__(self, learner_id: _Optional[str] = ..., fingerprint: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("session_id", "server_epoch", "fragments", "lease_s", "mode")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    server_epoch: int
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
+    lease_s: float
+    mode: str
+    def __init__(self, session_id: _Optional[str] = ..., server_epoch: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., lease_s: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("session_id", "fragment_id", "base_version", "inner_steps", "tokens", "kind", "payload_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    INNER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    fragment_id: int
+    base_version: int
+    inner_steps: int
+    tokens: int
+    kind: PushKind
+    payload_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+
+class PushFragmentRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PushFragmentResponse(_message.Message):
+    __slots__ = ("accepted", "round_version", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    round_version: int
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., round_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PullParamsRequest(_message.Message):
+    __slots__ = ("session_id", "fragment_id", "have_version", "wait_for_version", "wait_timeout_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FOR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    fragment_id: int
+    have_version: int
+    wait_for_version: int
+    wait_timeout_s: float
+    def __init__(self, session_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_for_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ...) -> None: ...
+
+class PullHeader(_message.Message):
+    __slots__ = ("fragment_id", "version", "kind", "payload_bytes", "params_crc32")
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CRC32_FIELD_NUMBER: _ClassVar[int]
+    fragment_id: int
+    version: int
+    kind: PullKind
+    payload_bytes: int
+    params_crc32: int
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., kind: _Optional[_Union[PullKind, str]] = ..., payload_bytes: _Optional[int] = ..., params_crc32: _Optional[int] = ...) -> None: ...
+
+class PullParamsResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PullHeader
+    chunk: bytes
+    def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id", "step", "tokens", "step_time_s", "loss")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step: int
+    tokens: int
+    step_time_s: float
+    loss: float
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("server_epoch", "fragment_versions", "live_learners")
+    SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    server_epoch: int
+    fragment_versions: _containers.RepeatedScalarFieldContainer[int]
+    live_learners: int
+    def __init__(self, server_epoch: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., live_learners: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

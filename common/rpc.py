@@ -1,0 +1,71 @@
+"""One place that sets message limits, keepalive and retries for servers and channels.
+
+server, port = create_server("127.0.0.1:0")   # unstarted; port 0 picks a free port
+channel = create_channel(f"127.0.0.1:{port}")
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.wire import CHUNK_BYTES
+
+SERVICE_NAME = "diloco.v1.Aggregator"
+# Chunks are 1 MiB; leave room for headers and a few chunks batched by the transport.
+MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES + (64 << 10)
+
+_COMMON_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+_SERVER_OPTIONS = [
+    *_COMMON_OPTIONS,
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# Unary calls that are safe to repeat are retried by gRPC itself on UNAVAILABLE.
+_RETRY_SERVICE_CONFIG = {
+    "methodConfig": [
+        {
+            "name": [
+                {"service": SERVICE_NAME, "method": m} for m in ("Join", "Heartbeat", "Leave")
+            ],
+            "retryPolicy": {
+                "maxAttempts": 5,
+                "initialBackoff": "0.2s",
+                "maxBackoff": "5s",
+                "backoffMultiplier": 2,
+                "retryableStatusCodes": ["UNAVAILABLE"],
+            },
+        }
+    ]
+}
+
+
+def create_server(listen: str, max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """An unstarted gRPC server bound to `listen` (host:port) with the health service."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        options=_SERVER_OPTIONS,
+    )
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind the gRPC server to {listen}")
+    health_servicer = health.HealthServicer()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, port
+
+
+def create_channel(target: str) -> grpc.Channel:
+    """A client channel with the same message limits, keepalive and a retry policy."""
+    options = [*_COMMON_OPTIONS, ("grpc.service_config", json.dumps(_RETRY_SERVICE_CONFIG))]
+    return grpc.insecure_channel(target, options=options)

@@ -1,0 +1,85 @@
+"""Fragments on the wire: a list of tensors <-> one serialized EncodedFragment, in chunks.
+
+A fragment's tensors travel as one serialized `EncodedFragment` message, cut into chunks of
+at most `CHUNK_BYTES` so that gRPC never has to hold a large message at once. The receiver
+checks the announced size against the most the fragment can take before it buffers anything.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from google.protobuf.message import DecodeError
+
+from common.codec import decode, encode, encoded_sizes
+from common.errors import InvalidArgument, ResourceExhausted
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+
+CHUNK_BYTES = 1 << 20
+# Per-tensor protobuf framing (tags, lengths, codec, shape, crc) stays far below this.
+_FRAMING_BYTES_PER_TENSOR = 64
+
+
+def encode_fragment(tensors: Sequence[torch.Tensor], codec: str | int) -> bytes:
+    """Serialize the tensors of one fragment with `codec`."""
+    return pb.EncodedFragment(tensors=[encode(t, codec) for t in tensors]).SerializeToString()
+
+
+def max_fragment_bytes(shapes: Sequence[tuple[int, ...]], codec: int) -> int:
+    """An upper bound on the serialized size of a fragment with these shapes and codec."""
+    total = 0
+    for shape in shapes:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        payload, scales = encoded_sizes(codec, numel)
+        total += payload + scales + _FRAMING_BYTES_PER_TENSOR + 11 * len(shape)
+    return total
+
+
+def decode_fragment(data: bytes, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Parse and decode a fragment, checking the tensor count and every shape."""
+    try:
+        msg = pb.EncodedFragment.FromString(data)
+    except DecodeError as err:
+        raise InvalidArgument(f"fragment payload is not a valid EncodedFragment: {err}") from err
+    if len(msg.tensors) != len(shapes):
+        raise InvalidArgument(f"fragment has {len(msg.tensors)} tensors, expected {len(shapes)}")
+    codecs = {t.codec for t in msg.tensors}
+    if len(codecs) > 1:
+        raise InvalidArgument("all tensors of a fragment must use one codec")
+    return [decode(t, shape) for t, shape in zip(msg.tensors, shapes, strict=True)]
+
+
+def chunks(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Split `data` into pieces of at most `size` bytes (none for empty data)."""
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+def join_chunks(pieces: Iterable[bytes], announced_bytes: int, limit_bytes: int) -> bytes:
+    """Reassemble chunks, refusing anything larger than announced or than the limit."""
+    if announced_bytes > limit_bytes:
+        raise ResourceExhausted(
+            f"announced payload of {announced_bytes} bytes exceeds the limit of {limit_bytes}"
+        )
+    buffer = bytearray()
+    for piece in pieces:
+        if len(buffer) + len(piece) > announced_bytes:
+            raise InvalidArgument(f"payload is longer than the announced {announced_bytes} bytes")
+        buffer += piece
+    if len(buffer) != announced_bytes:
+        raise InvalidArgument(
+            f"payload ended after {len(buffer)} of the announced {announced_bytes} bytes"
+        )
+    return bytes(buffer)
+
+
+def params_crc32(tensors: Sequence[torch.Tensor]) -> int:
+    """Checksum of the float32 bytes of `tensors`, to check that a replica is bit-identical."""
+    crc = 0
+    for t in tensors:
+        crc = zlib.crc32(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
+    return crc

@@ -1,0 +1,106 @@
+"""The main job (`make run`): one aggregator and N learners as separate processes on loopback.
+
+    python deploy/local_run.py --duration-s 180 --learners 2
+
+The server binds a free port and writes it to a file; learners train on the built-in corpus
+until the duration passes, then leave. Prints every learner's eval loss as it falls, then a
+summary; exits non-zero if any process failed or the eval loss did not fall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def wait_for_port(port_file: Path, server: subprocess.Popen, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if port_file.exists():
+            return int(port_file.read_text())
+        if server.poll() is not None:
+            raise RuntimeError(f"diloco-server exited with {server.returncode} before serving")
+        time.sleep(0.05)
+    raise RuntimeError(f"diloco-server did not start within {timeout_s} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration-s", type=float, default=180.0)
+    parser.add_argument("--learners", type=int, default=2)
+    parser.add_argument("--sync-every-steps", type=int, default=50)
+    parser.add_argument("--workdir", default="", help="where logs and summaries go")
+    args = parser.parse_args()
+    if args.learners < 1 or args.duration_s <= 0:
+        parser.error("--learners must be >= 1 and --duration-s > 0")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    server_log = open(workdir / "server.log", "w")
+    server = subprocess.Popen(
+        [BIN / "diloco-server", "--listen", "127.0.0.1:0", "--port-file", workdir / "port"],
+        stdout=server_log,
+        stderr=subprocess.STDOUT,
+    )
+    learners: list[subprocess.Popen] = []
+    try:
+        port = wait_for_port(workdir / "port", server, timeout_s=60)
+        print(f"server on 127.0.0.1:{port} (log: {workdir / 'server.log'})", flush=True)
+        for i in range(args.learners):
+            learners.append(
+                subprocess.Popen(
+                    [
+                        BIN / "diloco-learner",
+                        "--server",
+                        f"127.0.0.1:{port}",
+                        "--learner-id",
+                        f"learner-{i}",
+                        "--learners-per-host",
+                        str(args.learners),
+                        "--duration-s",
+                        str(args.duration_s),
+                        "--sync-every-steps",
+                        str(args.sync_every_steps),
+                        "--summary-file",
+                        workdir / f"learner-{i}.json",
+                    ]
+                )
+            )
+        codes = [p.wait() for p in learners]
+    finally:
+        for proc in [*learners, server]:
+            if proc.poll() is None:
+                proc.terminate()
+        server.wait(timeout=30)
+    if any(codes):
+        print(f"FAILED: learner exit codes {codes}", file=sys.stderr)
+        return 1
+    return report(
+        [json.loads((workdir / f"learner-{i}.json").read_text()) for i in range(args.learners)]
+    )
+
+
+def report(summaries: list[dict]) -> int:
+    print("\nlearner     outer  tokens      sent MB  recv MB  eval loss first -> last")
+    fell = True
+    for s in summaries:
+        first, last = s["eval_losses"][0], s["eval_losses"][-1]
+        fell &= last < first - 0.5
+        print(
+            f"{s['learner_id']:<11} {s['outer_steps']:>5}  {s['tokens']:>10,}  "
+            f"{s['bytes_sent'] / 1e6:>7.2f}  {s['bytes_received'] / 1e6:>7.2f}  "
+            f"{first:.3f} -> {last:.3f}"
+        )
+    if not fell:
+        print("FAILED: eval loss did not fall by at least 0.5", file=sys.stderr)
+    return 0 if fell else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The learner's side of the wire: typed calls to the Aggregator, with byte accounting.
+
+Counts the serialized size of every gRPC message sent and received (protobuf bytes; HTTP/2
+framing and TLS add a few percent on top), so a learner can report what it put on the wire.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+import grpc
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
+from common.rpc import create_channel
+from common.wire import chunks
+
+UNARY_TIMEOUT_S = 30.0
+
+
+class AggregatorClient:
+    """One channel to the aggregator; thread-safe (the heartbeat runs on its own thread)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._channel = create_channel(target)
+        self._stub = pb_grpc.AggregatorStub(self._channel)
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the channel connects; raises grpc.FutureTimeoutError otherwise."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+
+    def join(self, learner_id: str, fingerprint: Sequence[pb.ParamSpec]) -> pb.JoinResponse:
+        request = pb.JoinRequest(
+            learner_id=learner_id,
+            fingerprint=fingerprint,
+            codecs=[pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_FP4_E2M1],
+        )
+        return self._unary(self._stub.Join, request)
+
+    def push(self, header: pb.PushHeader, payload: bytes) -> pb.PushFragmentResponse:
+        """Stream a header and the payload in chunks; returns the server's verdict."""
+        header.payload_bytes = len(payload)
+
+        def messages() -> Iterator[pb.PushFragmentRequest]:
+            for msg in [pb.PushFragmentRequest(header=header)]:
+                self._count(sent=msg.ByteSize())
+                yield msg
+            for piece in chunks(payload):
+                msg = pb.PushFragmentRequest(chunk=piece)
+                self._count(sent=msg.ByteSize())
+                yield msg
+
+        response = self._stub.PushFragment(messages(), timeout=UNARY_TIMEOUT_S * 4)
+        self._count(received=response.ByteSize())
+        return response
+
+    def pull(
+        self,
+        session_id: str,
+        fragment_id: int,
+        have_version: int,
+        wait_for_version: int = 0,
+        wait_timeout_s: float = 0.0,
+    ) -> tuple[pb.PullHeader, bytes]:
+        """The fragment's header and serialized payload (empty when already up to date)."""
+        request = pb.PullParamsRequest(
+            session_id=session_id,
+            fragment_id=fragment_id,
+            have_version=have_version,
+            wait_for_version=wait_for_version,
+            wait_timeout_s=wait_timeout_s,
+        )
+        self._count(sent=request.ByteSize())
+        stream = self._stub.PullParams(request, timeout=wait_timeout_s + UNARY_TIMEOUT_S * 4)
+        header: pb.PullHeader | None = None
+        payload = bytearray()
+        for msg in stream:
+            self._count(received=msg.ByteSize())
+            if msg.HasField("header"):
+                header = msg.header
+            else:
+                payload += msg.chunk
+        if header is None:
+            raise RuntimeError("PullParams answered without a header")
+        if len(payload) != header.payload_bytes:
+            raise RuntimeError(
+                f"PullParams sent {len(payload)} bytes, header announced {header.payload_bytes}"
+            )
+        return header, bytes(payload)
+
+    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
+        return self._unary(self._stub.Heartbeat, request)
+
+    def leave(self, session_id: str) -> None:
+        self._unary(self._stub.Leave, pb.LeaveRequest(session_id=session_id))
+
+    def _unary(self, method, request):
+        self._count(sent=request.ByteSize())
+        response = method(request, timeout=UNARY_TIMEOUT_S)
+        self._count(received=response.ByteSize())
+        return response
+
+    def _count(self, sent: int = 0, received: int = 0) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received

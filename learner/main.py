@@ -1,0 +1,60 @@
+"""diloco-learner: train a model against an aggregator.
+
+    diloco-learner --server 127.0.0.1:50051 --learner-id a --sync-every-steps 50
+
+Parses flags into a LearnerConfig, trains until done or SIGINT/SIGTERM, then leaves the run
+and prints (and optionally writes) a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import signal
+import sys
+import threading
+
+import grpc
+
+from common.config import add_config_flags, config_from_args
+from learner.trainer import Learner, LearnerConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="diloco-learner", description=__doc__.splitlines()[0])
+    add_config_flags(parser, LearnerConfig)
+    config = config_from_args(parser, LearnerConfig, parser.parse_args())
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        learner = Learner(config)
+    except ValueError as err:  # e.g. a corpus that does not exist
+        parser.error(str(err))
+    try:
+        progress = learner.run(stop)
+    except grpc.FutureTimeoutError:
+        sys.exit(f"diloco-learner: error: cannot reach the server at {config.server}")
+    except grpc.RpcError as err:
+        sys.exit(f"diloco-learner: error: the server answered {err.code().name}: {err.details()}")
+    if config.save_params:
+        learner.save_params(config.save_params)
+    summary = dataclasses.asdict(progress)
+    if config.summary_file:
+        with open(config.summary_file, "w") as f:
+            json.dump(summary, f, indent=1)
+    losses = progress.eval_losses
+    print(
+        f"learner={progress.learner_id} outer_steps={progress.outer_steps} "
+        f"tokens={progress.tokens} eval_loss={losses[0]:.4f}->{losses[-1]:.4f} "
+        f"sent_bytes={progress.bytes_sent} received_bytes={progress.bytes_received}"
+        if losses
+        else f"learner={progress.learner_id} stopped before the first evaluation"
+    )
+
+
+if __name__ == "__main__":
+    main()

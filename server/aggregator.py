@@ -1,0 +1,375 @@
+"""The aggregator's state and rules, free of gRPC so that every rule is unit-testable.
+
+One `Aggregator` owns: the learners' sessions and leases, the parameter fingerprint fixed by the
+first learner, and per fragment the global parameters, their version, the outer optimizer
+state and the open round. In `sync` mode (DiLoCo) a round closes when every live learner has
+pushed for it; a learner whose lease expires or who leaves stops counting, so a dead learner
+never stalls the others. All methods are thread-safe; `wait_for_version` lets callers (the
+PullParams long-poll, tests) block on progress without sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from common.wire import encode_fragment, params_crc32
+from server.outer import NesterovOuter
+
+log = logging.getLogger(__name__)
+
+MODES = ("sync",)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Name, shape and dtype of one model parameter, as the learner reports it at Join."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(kw_only=True)
+class AggregatorConfig:
+    """How the aggregator runs rounds and leases."""
+
+    mode: str = "sync"
+    """Aggregation mode; `sync` closes a round when every live learner has pushed."""
+    lease_s: float = 10.0
+    """A learner that neither heartbeats nor calls for this long is dropped from rounds."""
+    min_contributors: int = 1
+    """A round closes only once at least this many learners pushed to it (and, in sync
+    mode, every live learner did): set it to the expected count to start all together."""
+    outer_lr: float = 0.7
+    """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum (0.9 in DiLoCo)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if self.min_contributors < 1:
+            raise ValueError(f"min_contributors must be >= 1, got {self.min_contributors}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+
+
+@dataclass
+class Session:
+    session_id: str
+    learner_id: str
+    lease_deadline: float
+    step: int = 0
+    tokens: int = 0
+    loss: float = float("nan")
+
+
+@dataclass
+class Round:
+    """Contributions to the next version of one fragment, summed so memory stays O(model)."""
+
+    delta_sum: list[torch.Tensor] | None = None
+    contributors: set[str] = field(default_factory=set)
+    tokens: int = 0
+
+
+@dataclass
+class Fragment:
+    fragment_id: int
+    param_indices: list[int]
+    shapes: list[tuple[int, ...]]
+    outer: NesterovOuter
+    params: list[torch.Tensor] | None = None
+    version: int = -1
+    round: Round = field(default_factory=Round)
+    snapshot: Snapshot | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The fp32 parameters of a fragment at one version, serialized once for every pull."""
+
+    version: int
+    payload: bytes
+    params_crc32: int
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    session_id: str
+    server_epoch: int
+    fragments: list[tuple[int, list[int], int]]  # (fragment_id, param_indices, version)
+    lease_s: float
+    mode: str
+
+
+class Aggregator:
+    """Sessions, leases, fragments and rounds; see the module docstring."""
+
+    def __init__(
+        self, config: AggregatorConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.server_epoch = secrets.randbits(63)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._sessions: dict[str, Session] = {}
+        self._fingerprint: list[ParamSpec] | None = None
+        self._fragments: list[Fragment] = []
+
+    # -- membership ---------------------------------------------------------------------
+
+    def join(self, learner_id: str, fingerprint: Sequence[ParamSpec]) -> JoinResult:
+        """Open a session; the first learner's fingerprint fixes the model for the run."""
+        if not learner_id:
+            raise InvalidArgument("learner_id must not be empty")
+        if not fingerprint:
+            raise InvalidArgument("fingerprint must list the model's parameters")
+        fingerprint = list(fingerprint)
+        with self._cond:
+            if self._fingerprint is None:
+                self._fingerprint = fingerprint
+                # One fragment holding the whole model for now (Streaming DiLoCo splits it).
+                self._fragments = [self._new_fragment(0, fingerprint)]
+            elif fingerprint != self._fingerprint:
+                raise FailedPrecondition(_fingerprint_mismatch(self._fingerprint, fingerprint))
+            for old in [s for s in self._sessions.values() if s.learner_id == learner_id]:
+                self._drop(old, "rejoined")
+            session = Session(
+                secrets.token_hex(16), learner_id, self._clock() + self.config.lease_s
+            )
+            self._sessions[session.session_id] = session
+            log.info(
+                "learner=%s joined session=%s live=%d",
+                learner_id,
+                session.session_id[:8],
+                len(self._sessions),
+            )
+            return JoinResult(
+                session_id=session.session_id,
+                server_epoch=self.server_epoch,
+                fragments=[(f.fragment_id, f.param_indices, f.version) for f in self._fragments],
+                lease_s=self.config.lease_s,
+                mode=self.config.mode,
+            )
+
+    def heartbeat(
+        self, session_id: str, step: int = 0, tokens: int = 0, loss: float = float("nan")
+    ) -> tuple[list[int], int]:
+        """Renew a lease and record progress; returns (fragment versions, live learners)."""
+        with self._cond:
+            session = self._session(session_id)
+            session.step, session.tokens, session.loss = step, tokens, loss
+            return [f.version for f in self._fragments], len(self._sessions)
+
+    def leave(self, session_id: str) -> None:
+        """End a session; open rounds no longer wait for it."""
+        with self._cond:
+            session = self._sessions.get(session_id)
+            if session is not None:
+                self._drop(session, "left")
+
+    def expire_leases(self) -> list[str]:
+        """Drop every session whose lease has run out; returns their learner ids."""
+        with self._cond:
+            now = self._clock()
+            expired = [s for s in self._sessions.values() if s.lease_deadline < now]
+            for session in expired:
+                self._drop(session, "lease expired")
+            return [s.learner_id for s in expired]
+
+    def live_learners(self) -> list[str]:
+        with self._cond:
+            return sorted(s.learner_id for s in self._sessions.values())
+
+    # -- parameters ---------------------------------------------------------------------
+
+    def fragment_shapes(self, fragment_id: int) -> list[tuple[int, ...]]:
+        with self._cond:
+            return list(self._fragment(fragment_id).shapes)
+
+    def initialize(self, session_id: str, fragment_id: int, tensors: list[torch.Tensor]) -> int:
+        """Adopt a learner's initial parameters as version 0 of a fragment that has none."""
+        with self._cond:
+            self._session(session_id)
+            fragment = self._fragment(fragment_id)
+            if fragment.params is not None:
+                raise AlreadyExists(
+                    f"fragment {fragment_id} is already initialized at version "
+                    f"{fragment.version}; pull it instead"
+                )
+            _check_shapes(fragment, tensors)
+            fragment.params = [t.detach().to(torch.float32).clone() for t in tensors]
+            fragment.version = 0
+            self._cond.notify_all()
+            return 0
+
+    def push(
+        self,
+        session_id: str,
+        fragment_id: int,
+        base_version: int,
+        tensors: list[torch.Tensor],
+        tokens: int = 0,
+    ) -> int:
+        """Add a pseudo-gradient to the fragment's open round; returns the round's version."""
+        with self._cond:
+            session = self._session(session_id)
+            fragment = self._fragment(fragment_id)
+            if fragment.params is None:
+                raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
+            if base_version > fragment.version:
+                raise InvalidArgument(
+                    f"base_version {base_version} is from the future: fragment {fragment_id} "
+                    f"is at version {fragment.version}"
+                )
+            if base_version < fragment.version:
+                raise FailedPrecondition(
+                    f"stale push: base_version {base_version} but fragment {fragment_id} is at "
+                    f"version {fragment.version}; pull the new version and push again"
+                )
+            if session.learner_id in fragment.round.contributors:
+                raise AlreadyExists(
+                    f"learner {session.learner_id} already pushed for version "
+                    f"{fragment.version + 1} of fragment {fragment_id}"
+                )
+            _check_shapes(fragment, tensors)
+            if tokens < 0:
+                raise InvalidArgument(f"tokens must be >= 0, got {tokens}")
+            rnd = fragment.round
+            if rnd.delta_sum is None:
+                rnd.delta_sum = [t.detach().to(torch.float32).clone() for t in tensors]
+            else:
+                for acc, t in zip(rnd.delta_sum, tensors, strict=True):
+                    acc.add_(t)
+            rnd.contributors.add(session.learner_id)
+            rnd.tokens += tokens
+            log.info(
+                "learner=%s pushed fragment=%d base=%d contributors=%d/%d",
+                session.learner_id,
+                fragment_id,
+                base_version,
+                len(rnd.contributors),
+                len(self._sessions),
+            )
+            self._maybe_close(fragment)
+            return base_version + 1
+
+    def version(self, fragment_id: int) -> int:
+        with self._cond:
+            return self._fragment(fragment_id).version
+
+    def wait_for_version(self, fragment_id: int, version: int, timeout_s: float) -> int:
+        """Block until the fragment reaches `version` or `timeout_s` passes; returns its version."""
+        with self._cond:
+            # The fragment may not exist yet (before the first Join); wait for that too.
+            self._cond.wait_for(lambda: self._version_of(fragment_id) >= version, timeout=timeout_s)
+            return self._version_of(fragment_id)
+
+    def snapshot(self, fragment_id: int) -> Snapshot:
+        """The current fp32 parameters of a fragment, serialized (cached per version)."""
+        with self._cond:
+            fragment = self._fragment(fragment_id)
+            if fragment.params is None:
+                raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
+            if fragment.snapshot is None or fragment.snapshot.version != fragment.version:
+                fragment.snapshot = Snapshot(
+                    version=fragment.version,
+                    payload=encode_fragment(fragment.params, "fp32"),
+                    params_crc32=params_crc32(fragment.params),
+                )
+            return fragment.snapshot
+
+    def params(self, fragment_id: int) -> list[torch.Tensor]:
+        """A copy of a fragment's global parameters (for tests and checkpoints)."""
+        with self._cond:
+            fragment = self._fragment(fragment_id)
+            return [p.clone() for p in fragment.params or []]
+
+    # -- internals (call with the lock held) ---------------------------------------------
+
+    def _new_fragment(self, fragment_id: int, specs: list[ParamSpec]) -> Fragment:
+        return Fragment(
+            fragment_id=fragment_id,
+            param_indices=list(range(len(specs))),
+            shapes=[spec.shape for spec in specs],
+            outer=NesterovOuter(self.config.outer_lr, self.config.outer_momentum),
+        )
+
+    def _version_of(self, fragment_id: int) -> int:
+        """The fragment's version, or -2 (below any version) while it does not exist."""
+        if 0 <= fragment_id < len(self._fragments):
+            return self._fragments[fragment_id].version
+        return -2
+
+    def _session(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise NotFound("unknown session (it expired or the server restarted); join again")
+        session.lease_deadline = self._clock() + self.config.lease_s
+        return session
+
+    def _fragment(self, fragment_id: int) -> Fragment:
+        if not 0 <= fragment_id < len(self._fragments):
+            raise NotFound(f"fragment {fragment_id} does not exist")
+        return self._fragments[fragment_id]
+
+    def _drop(self, session: Session, why: str) -> None:
+        del self._sessions[session.session_id]
+        log.info("learner=%s dropped (%s) live=%d", session.learner_id, why, len(self._sessions))
+        for fragment in self._fragments:
+            self._maybe_close(fragment)
+
+    def _maybe_close(self, fragment: Fragment) -> None:
+        """Close the round once every live learner has contributed (sync mode)."""
+        rnd = fragment.round
+        if rnd.delta_sum is None or len(rnd.contributors) < self.config.min_contributors:
+            return
+        live = {s.learner_id for s in self._sessions.values()}
+        if not live <= rnd.contributors:
+            return
+        count = len(rnd.contributors)
+        mean = [acc.div_(count) for acc in rnd.delta_sum]
+        started = time.perf_counter()
+        fragment.outer.step(fragment.params, mean)
+        fragment.version += 1
+        fragment.round = Round()
+        log.info(
+            "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
+            fragment.fragment_id,
+            fragment.version,
+            count,
+            rnd.tokens,
+            time.perf_counter() - started,
+        )
+        self._cond.notify_all()
+
+
+def _check_shapes(fragment: Fragment, tensors: Sequence[torch.Tensor]) -> None:
+    shapes = [tuple(t.shape) for t in tensors]
+    if shapes != fragment.shapes:
+        raise InvalidArgument(
+            f"fragment {fragment.fragment_id} expects {len(fragment.shapes)} tensors with "
+            f"shapes {fragment.shapes}, got {shapes}"
+        )
+
+
+def _fingerprint_mismatch(expected: list[ParamSpec], got: list[ParamSpec]) -> str:
+    if len(expected) != len(got):
+        return f"model fingerprint has {len(got)} parameters, the run has {len(expected)}"
+    for want, have in zip(expected, got, strict=True):
+        if want != have:
+            return f"model fingerprint differs at parameter {want.name}: run has {want}, got {have}"
+    return "model fingerprint differs"

@@ -1,0 +1,83 @@
+"""The running aggregator service: gRPC server, servicer, health, reflection and lease reaper.
+
+    service = AggregatorService(ServerConfig(listen="127.0.0.1:0"))
+    service.start()            # service.port is the bound port
+    ...
+    service.stop()
+
+Used by `diloco-server` and by integration tests, which run it in-process on port 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from grpc_reflection.v1alpha import reflection
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
+from common.rpc import SERVICE_NAME, create_server
+from server.aggregator import Aggregator, AggregatorConfig
+from server.servicer import AggregatorServicer
+
+log = logging.getLogger("diloco.server")
+
+
+@dataclass(kw_only=True)
+class ServerConfig(AggregatorConfig):
+    listen: str = "127.0.0.1:50051"
+    """host:port to serve gRPC on; port 0 picks a free port."""
+    port_file: str = ""
+    """If set, write the bound port to this file once serving (for launchers using port 0)."""
+    log_level: str = "INFO"
+    """Python logging level."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if ":" not in self.listen:
+            raise ValueError(f"listen must be host:port, got {self.listen!r}")
+
+
+class AggregatorService:
+    """Owns the Aggregator, its gRPC server and the thread that expires leases."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.aggregator = Aggregator(config)
+        self._server, self.port = create_server(config.listen)
+        pb_grpc.add_AggregatorServicer_to_server(AggregatorServicer(self.aggregator), self._server)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["Aggregator"].full_name, reflection.SERVICE_NAME),
+            self._server,
+        )
+        self._stopping = threading.Event()
+        self._reaper = threading.Thread(target=self._expire_leases, name="reaper", daemon=True)
+
+    def start(self) -> None:
+        self._server.start()
+        self._reaper.start()
+        log.info(
+            "serving %s on port %d mode=%s epoch=%d",
+            SERVICE_NAME,
+            self.port,
+            self.config.mode,
+            self.aggregator.server_epoch,
+        )
+        if self.config.port_file:
+            tmp = self.config.port_file + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{self.port}\n")
+            os.replace(tmp, self.config.port_file)  # atomic: readers never see a partial file
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self._stopping.set()
+        self._server.stop(grace=grace_s).wait()
+        log.info("stopped")
+
+    def _expire_leases(self) -> None:
+        # A quarter lease between checks: a dead learner is dropped within 1.25 leases.
+        while not self._stopping.wait(self.config.lease_s / 4):
+            self.aggregator.expire_leases()

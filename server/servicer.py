@@ -1,0 +1,135 @@
+"""The gRPC servicer: decode the request, call the Aggregator, encode the answer.
+
+Domain errors (common.errors) become gRPC statuses here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+
+from common.errors import DilocoError, InvalidArgument
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
+from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
+from server.aggregator import Aggregator, ParamSpec
+
+log = logging.getLogger(__name__)
+
+# The longest a PullParams call may block waiting for a new version.
+MAX_PULL_WAIT_S = 60.0
+
+
+def _abort_on_domain_error(method):
+    """Map DilocoError to its status code; for streaming responses too."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except DilocoError as err:
+            log.warning("%s rejected: %s", method.__name__, err)
+            context.abort(err.code, str(err))
+
+    return wrapper
+
+
+class AggregatorServicer(pb_grpc.AggregatorServicer):
+    def __init__(self, aggregator: Aggregator) -> None:
+        self.aggregator = aggregator
+
+    @_abort_on_domain_error
+    def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
+        fingerprint = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in request.fingerprint]
+        result = self.aggregator.join(request.learner_id, fingerprint)
+        return pb.JoinResponse(
+            session_id=result.session_id,
+            server_epoch=result.server_epoch,
+            fragments=[
+                pb.FragmentLayout(fragment_id=fid, param_indices=indices, version=version)
+                for fid, indices, version in result.fragments
+            ],
+            lease_s=result.lease_s,
+            mode=result.mode,
+        )
+
+    @_abort_on_domain_error
+    def PushFragment(self, request_iterator: Iterator[pb.PushFragmentRequest], context):
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("a push must start with a header message")
+        header = first.header
+        agg = self.aggregator
+        shapes = agg.fragment_shapes(header.fragment_id)
+        if header.kind not in (pb.PUSH_KIND_DELTA, pb.PUSH_KIND_INITIAL):
+            raise InvalidArgument(f"unknown push kind {header.kind}")
+        # Bound the buffer by what the fragment can take in its largest codec (fp32).
+        limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
+        pieces = (_chunk_of(msg) for msg in request_iterator)
+        data = join_chunks(pieces, header.payload_bytes, limit)
+        tensors = decode_fragment(data, shapes)
+        if header.kind == pb.PUSH_KIND_INITIAL:
+            version = agg.initialize(header.session_id, header.fragment_id, tensors)
+        else:
+            version = agg.push(
+                header.session_id,
+                header.fragment_id,
+                header.base_version,
+                tensors,
+                tokens=header.tokens,
+            )
+        return pb.PushFragmentResponse(accepted=True, round_version=version)
+
+    @_abort_on_domain_error
+    def PullParams(self, request: pb.PullParamsRequest, context):
+        agg = self.aggregator
+        agg.heartbeat(request.session_id)  # authenticates the session and renews its lease
+        if request.wait_for_version > agg.version(request.fragment_id):
+            wait_s = min(max(request.wait_timeout_s, 0.0), MAX_PULL_WAIT_S)
+            agg.wait_for_version(request.fragment_id, request.wait_for_version, wait_s)
+        snapshot = agg.snapshot(request.fragment_id)
+        if snapshot.version <= request.have_version:
+            header = pb.PullHeader(
+                fragment_id=request.fragment_id,
+                version=snapshot.version,
+                kind=pb.PULL_KIND_UP_TO_DATE,
+                params_crc32=snapshot.params_crc32,
+            )
+            return iter([pb.PullParamsResponse(header=header)])
+        header = pb.PullHeader(
+            fragment_id=request.fragment_id,
+            version=snapshot.version,
+            kind=pb.PULL_KIND_SNAPSHOT,
+            payload_bytes=len(snapshot.payload),
+            params_crc32=snapshot.params_crc32,
+        )
+        return _stream(header, snapshot.payload)
+
+    @_abort_on_domain_error
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        versions, live = self.aggregator.heartbeat(
+            request.session_id, request.step, request.tokens, request.loss
+        )
+        return pb.HeartbeatResponse(
+            server_epoch=self.aggregator.server_epoch,
+            fragment_versions=versions,
+            live_learners=live,
+        )
+
+    @_abort_on_domain_error
+    def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
+        self.aggregator.leave(request.session_id)
+        return pb.LeaveResponse()
+
+
+def _chunk_of(msg: pb.PushFragmentRequest) -> bytes:
+    if not msg.HasField("chunk"):
+        raise InvalidArgument("only payload chunks may follow the push header")
+    return msg.chunk
+
+
+def _stream(header: pb.PullHeader, payload: bytes) -> Iterator[pb.PullParamsResponse]:
+    yield pb.PullParamsResponse(header=header)
+    for piece in chunks(payload):
+        yield pb.PullParamsResponse(chunk=piece)

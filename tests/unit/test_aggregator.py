@@ -1,0 +1,151 @@
+"""Rules of the aggregator in sync mode: rounds, leases, validation, the outer step."""
+
+import pytest
+import torch
+
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+
+SHAPES = [(3, 4), (5,)]
+FINGERPRINT = [ParamSpec(f"p{i}", s, "float32") for i, s in enumerate(SHAPES)]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tensors(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def make(n_learners: int, **config) -> tuple[Aggregator, list[str], FakeClock]:
+    clock = FakeClock()
+    agg = Aggregator(AggregatorConfig(**config), clock=clock)
+    sessions = [agg.join(f"l{i}", FINGERPRINT).session_id for i in range(n_learners)]
+    agg.initialize(sessions[0], 0, tensors(0))
+    return agg, sessions, clock
+
+
+def test_outer_step_matches_torch_sgd_nesterov_on_mean_of_different_deltas() -> None:
+    agg, sessions, _ = make(3, outer_lr=0.7, outer_momentum=0.9)
+    reference = [torch.nn.Parameter(t.clone()) for t in tensors(0)]
+    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    for rnd in range(5):
+        deltas = [tensors(100 * rnd + i) for i in range(3)]  # every learner differs
+        for session, delta in zip(sessions, deltas, strict=True):
+            agg.push(session, 0, rnd, delta)
+        assert agg.version(0) == rnd + 1
+        for i, p in enumerate(reference):
+            p.grad = (deltas[0][i] + deltas[1][i] + deltas[2][i]) / 3
+            # sanity: that is the mean
+            torch.testing.assert_close(p.grad, torch.stack([d[i] for d in deltas]).mean(0))
+        sgd.step()
+        for got, want in zip(agg.params(0), reference, strict=True):
+            assert torch.equal(got, want.detach()), f"round {rnd}"
+
+
+def test_round_waits_for_every_live_learner() -> None:
+    agg, (a, b), _ = make(2)
+    assert agg.push(a, 0, 0, tensors(1)) == 1
+    assert agg.version(0) == 0
+    agg.push(b, 0, 0, tensors(2))
+    assert agg.version(0) == 1
+
+
+def test_min_contributors_holds_the_round_open() -> None:
+    agg, (a, b), _ = make(2, min_contributors=3)
+    agg.push(a, 0, 0, tensors(1))
+    agg.push(b, 0, 0, tensors(2))
+    assert agg.version(0) == 0
+    c = agg.join("l2", FINGERPRINT).session_id
+    agg.push(c, 0, 0, tensors(3))
+    assert agg.version(0) == 1
+
+
+def test_expired_lease_drops_learner_and_closes_round() -> None:
+    agg, (a, b), clock = make(2, lease_s=5.0)
+    clock.now = 3.0
+    agg.push(a, 0, 0, tensors(1))  # renews a's lease to 8.0; b's stays at 5.0
+    clock.now = 6.0
+    assert agg.expire_leases() == ["l1"]
+    assert agg.version(0) == 1
+    assert agg.live_learners() == ["l0"]
+    with pytest.raises(NotFound, match="join again"):
+        agg.push(b, 0, 1, tensors(2))
+
+
+def test_leave_closes_round() -> None:
+    agg, (a, b), _ = make(2)
+    agg.push(a, 0, 0, tensors(1))
+    agg.leave(b)
+    assert agg.version(0) == 1
+
+
+def test_heartbeat_keeps_a_learner_alive() -> None:
+    agg, (a, b), clock = make(2, lease_s=5.0)
+    for now in (4.0, 8.0, 12.0):
+        clock.now = now
+        agg.heartbeat(a)
+        agg.heartbeat(b)
+    assert agg.expire_leases() == []
+
+
+@pytest.mark.parametrize(
+    "base, error, message",
+    [(1, InvalidArgument, "from the future"), (-1, FailedPrecondition, "stale")],
+)
+def test_push_base_version_checks(base: int, error: type, message: str) -> None:
+    agg, (a, _), _ = make(2)
+    with pytest.raises(error, match=message):
+        agg.push(a, 0, base, tensors(1))
+    assert agg.version(0) == 0
+
+
+def test_second_push_for_same_round_is_rejected_and_changes_nothing() -> None:
+    agg, (a, b), _ = make(2)
+    agg.push(a, 0, 0, tensors(1))
+    with pytest.raises(AlreadyExists):
+        agg.push(a, 0, 0, tensors(3))
+    agg.push(b, 0, 0, tensors(2))
+    reference, (ra, rb), _ = make(2)  # the same round without the duplicate
+    reference.push(ra, 0, 0, tensors(1))
+    reference.push(rb, 0, 0, tensors(2))
+    for got, want in zip(agg.params(0), reference.params(0), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_wrong_shapes_and_unknown_fragment_are_rejected() -> None:
+    agg, (a, _), _ = make(2)
+    with pytest.raises(InvalidArgument, match="expects 2 tensors"):
+        agg.push(a, 0, 0, [torch.zeros(3, 4)])
+    with pytest.raises(NotFound, match="fragment 7"):
+        agg.push(a, 7, 0, tensors(1))
+
+
+def test_initialize_only_once_and_fingerprint_must_match() -> None:
+    agg, (a, _), _ = make(2)
+    with pytest.raises(AlreadyExists, match="already initialized"):
+        agg.initialize(a, 0, tensors(5))
+    other = [ParamSpec("p0", (3, 4), "float32"), ParamSpec("p1", (6,), "float32")]
+    with pytest.raises(FailedPrecondition, match="differs at parameter p1"):
+        agg.join("l9", other)
+
+
+def test_rejoin_replaces_the_old_session() -> None:
+    agg, (a, _), _ = make(2)
+    agg.join("l0", FINGERPRINT)
+    assert agg.live_learners() == ["l0", "l1"]
+    with pytest.raises(NotFound):
+        agg.heartbeat(a)
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="outer_momentum"):
+        AggregatorConfig(outer_momentum=1.0)
+    with pytest.raises(ValueError, match="mode"):
+        AggregatorConfig(mode="gossip")
