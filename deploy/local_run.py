@@ -37,7 +37,19 @@ def main() -> int:
     parser.add_argument("--learners", type=int, default=2)
     parser.add_argument("--sync-every-steps", type=int, default=50)
     parser.add_argument("--workdir", default="", help="where logs and summaries go")
+    parser.add_argument(
+        "--min-loss-drop",
+        type=float,
+        default=0.5,
+        help="fail unless every learner's eval loss fell by this much",
+    )
+    parser.add_argument(
+        "learner_flags",
+        nargs=argparse.REMAINDER,
+        help="after --: more diloco-learner flags, e.g. -- --n-layer 4",
+    )
     args = parser.parse_args()
+    extra = args.learner_flags[1:] if args.learner_flags[:1] == ["--"] else args.learner_flags
     if args.learners < 1 or args.duration_s <= 0:
         parser.error("--learners must be >= 1 and --duration-s > 0")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
@@ -53,25 +65,16 @@ def main() -> int:
         port = wait_for_port(workdir / "port", server, timeout_s=60)
         print(f"server on 127.0.0.1:{port} (log: {workdir / 'server.log'})", flush=True)
         for i in range(args.learners):
-            learners.append(
-                subprocess.Popen(
-                    [
-                        BIN / "diloco-learner",
-                        "--server",
-                        f"127.0.0.1:{port}",
-                        "--learner-id",
-                        f"learner-{i}",
-                        "--learners-per-host",
-                        str(args.learners),
-                        "--duration-s",
-                        str(args.duration_s),
-                        "--sync-every-steps",
-                        str(args.sync_every_steps),
-                        "--summary-file",
-                        workdir / f"learner-{i}.json",
-                    ]
-                )
-            )
+            flags = {
+                "--server": f"127.0.0.1:{port}",
+                "--learner-id": f"learner-{i}",
+                "--learners-per-host": args.learners,
+                "--duration-s": args.duration_s,
+                "--sync-every-steps": args.sync_every_steps,
+                "--summary-file": workdir / f"learner-{i}.json",
+            }
+            argv = [str(x) for pair in flags.items() for x in pair]
+            learners.append(subprocess.Popen([BIN / "diloco-learner", *argv, *extra]))
         codes = [p.wait() for p in learners]
     finally:
         for proc in [*learners, server]:
@@ -81,24 +84,25 @@ def main() -> int:
     if any(codes):
         print(f"FAILED: learner exit codes {codes}", file=sys.stderr)
         return 1
-    return report(
-        [json.loads((workdir / f"learner-{i}.json").read_text()) for i in range(args.learners)]
-    )
+    summaries = [
+        json.loads((workdir / f"learner-{i}.json").read_text()) for i in range(args.learners)
+    ]
+    return report(summaries, args.min_loss_drop)
 
 
-def report(summaries: list[dict]) -> int:
+def report(summaries: list[dict], min_loss_drop: float) -> int:
     print("\nlearner     outer  tokens      sent MB  recv MB  eval loss first -> last")
     fell = True
     for s in summaries:
         first, last = s["eval_losses"][0], s["eval_losses"][-1]
-        fell &= last < first - 0.5
+        fell &= last < first - min_loss_drop
         print(
             f"{s['learner_id']:<11} {s['outer_steps']:>5}  {s['tokens']:>10,}  "
             f"{s['bytes_sent'] / 1e6:>7.2f}  {s['bytes_received'] / 1e6:>7.2f}  "
             f"{first:.3f} -> {last:.3f}"
         )
     if not fell:
-        print("FAILED: eval loss did not fall by at least 0.5", file=sys.stderr)
+        print(f"FAILED: eval loss did not fall by {min_loss_drop}", file=sys.stderr)
     return 0 if fell else 1
 
 

@@ -196,20 +196,21 @@ class Aggregator:
 
     # -- parameters ---------------------------------------------------------------------
 
-    def fragment_shapes(self, fragment_id: int) -> list[tuple[int, ...]]:
+    def check_push(
+        self, session_id: str, fragment_id: int, base_version: int, initial: bool = False
+    ) -> list[tuple[int, ...]]:
+        """Validate a push header before its payload is read; returns the expected shapes.
+
+        Lets the servicer refuse a stale or duplicate push without receiving megabytes first.
+        """
         with self._cond:
-            return list(self._fragment(fragment_id).shapes)
+            fragment = self._check_header(session_id, fragment_id, base_version, initial)
+            return list(fragment.shapes)
 
     def initialize(self, session_id: str, fragment_id: int, tensors: list[torch.Tensor]) -> int:
         """Adopt a learner's initial parameters as version 0 of a fragment that has none."""
         with self._cond:
-            self._session(session_id)
-            fragment = self._fragment(fragment_id)
-            if fragment.params is not None:
-                raise AlreadyExists(
-                    f"fragment {fragment_id} is already initialized at version "
-                    f"{fragment.version}; pull it instead"
-                )
+            fragment = self._check_header(session_id, fragment_id, -1, initial=True)
             _check_shapes(fragment, tensors)
             fragment.params = [t.detach().to(torch.float32).clone() for t in tensors]
             fragment.version = 0
@@ -226,25 +227,8 @@ class Aggregator:
     ) -> int:
         """Add a pseudo-gradient to the fragment's open round; returns the round's version."""
         with self._cond:
-            session = self._session(session_id)
-            fragment = self._fragment(fragment_id)
-            if fragment.params is None:
-                raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
-            if base_version > fragment.version:
-                raise InvalidArgument(
-                    f"base_version {base_version} is from the future: fragment {fragment_id} "
-                    f"is at version {fragment.version}"
-                )
-            if base_version < fragment.version:
-                raise FailedPrecondition(
-                    f"stale push: base_version {base_version} but fragment {fragment_id} is at "
-                    f"version {fragment.version}; pull the new version and push again"
-                )
-            if session.learner_id in fragment.round.contributors:
-                raise AlreadyExists(
-                    f"learner {session.learner_id} already pushed for version "
-                    f"{fragment.version + 1} of fragment {fragment_id}"
-                )
+            fragment = self._check_header(session_id, fragment_id, base_version, initial=False)
+            session = self._sessions[session_id]
             _check_shapes(fragment, tensors)
             if tokens < 0:
                 raise InvalidArgument(f"tokens must be >= 0, got {tokens}")
@@ -307,6 +291,37 @@ class Aggregator:
             shapes=[spec.shape for spec in specs],
             outer=NesterovOuter(self.config.outer_lr, self.config.outer_momentum),
         )
+
+    def _check_header(
+        self, session_id: str, fragment_id: int, base_version: int, initial: bool
+    ) -> Fragment:
+        session = self._session(session_id)
+        fragment = self._fragment(fragment_id)
+        if initial:
+            if fragment.params is not None:
+                raise AlreadyExists(
+                    f"fragment {fragment_id} is already initialized at version "
+                    f"{fragment.version}; pull it instead"
+                )
+            return fragment
+        if fragment.params is None:
+            raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
+        if base_version > fragment.version:
+            raise InvalidArgument(
+                f"base_version {base_version} is from the future: fragment {fragment_id} "
+                f"is at version {fragment.version}"
+            )
+        if base_version < fragment.version:
+            raise FailedPrecondition(
+                f"stale push: base_version {base_version} but fragment {fragment_id} is at "
+                f"version {fragment.version}; pull the new version and push again"
+            )
+        if session.learner_id in fragment.round.contributors:
+            raise AlreadyExists(
+                f"learner {session.learner_id} already pushed for version "
+                f"{fragment.version + 1} of fragment {fragment_id}"
+            )
+        return fragment
 
     def _version_of(self, fragment_id: int) -> int:
         """The fragment's version, or -2 (below any version) while it does not exist."""

@@ -61,15 +61,17 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             raise InvalidArgument("a push must start with a header message")
         header = first.header
         agg = self.aggregator
-        shapes = agg.fragment_shapes(header.fragment_id)
         if header.kind not in (pb.PUSH_KIND_DELTA, pb.PUSH_KIND_INITIAL):
             raise InvalidArgument(f"unknown push kind {header.kind}")
+        initial = header.kind == pb.PUSH_KIND_INITIAL
+        # Refuse stale, duplicate or unknown pushes before reading their payload.
+        shapes = agg.check_push(header.session_id, header.fragment_id, header.base_version, initial)
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
         limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
         pieces = (_chunk_of(msg) for msg in request_iterator)
         data = join_chunks(pieces, header.payload_bytes, limit)
         tensors = decode_fragment(data, shapes)
-        if header.kind == pb.PUSH_KIND_INITIAL:
+        if initial:
             version = agg.initialize(header.session_id, header.fragment_id, tensors)
         else:
             version = agg.push(

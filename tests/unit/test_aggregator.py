@@ -106,6 +106,18 @@ def test_push_base_version_checks(base: int, error: type, message: str) -> None:
     assert agg.version(0) == 0
 
 
+def test_check_push_refuses_a_header_before_any_payload() -> None:
+    agg, (a, b), _ = make(2)
+    assert agg.check_push(a, 0, 0) == SHAPES
+    with pytest.raises(AlreadyExists, match="already initialized"):
+        agg.check_push(b, 0, -1, initial=True)
+    agg.push(a, 0, 0, tensors(1))
+    with pytest.raises(AlreadyExists, match="already pushed"):
+        agg.check_push(a, 0, 0)
+    with pytest.raises(NotFound):
+        agg.check_push("nobody", 0, 0)
+
+
 def test_second_push_for_same_round_is_rejected_and_changes_nothing() -> None:
     agg, (a, b), _ = make(2)
     agg.push(a, 0, 0, tensors(1))
