@@ -1,21 +1,28 @@
-"""Tensor codecs for the wire: fp32, bf16 and OCP MX FP4 (E2M1 values, E8M0 block scales).
+"""Tensor codecs for the wire: fp32, bf16 and two 4-bit block formats.
 
     from common.codec import encode, decode
     wire = encode(torch.randn(3, 100), "fp4_e2m1")   # an EncodedTensor message
     approx = decode(wire)                              # float32, shape (3, 100)
 
-FP4 (E2M1) represents 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives. Values are cut into
-blocks of 32 along the flattened tensor; each block shares one power-of-two scale 2^e stored as
-an E8M0 byte (e + 127). Codes are packed two per byte, element 0 in the low nibble, rounded to
-the nearest representable value with ties to the even code.
+Both 4-bit formats cut the flattened tensor into blocks of 32 values that share one
+power-of-two scale 2^e, stored as an E8M0 byte (e + 127). Each value is a sign bit and a
+3-bit magnitude code; codes are packed two per byte, element 0 in the low nibble.
 
-Scale rule: we use the smallest power of two with amax <= 6 * 2^e (that is 2^ceil(log2(amax/6))),
-not the OCP rule 2^(floor(log2 amax) - 2). The OCP rule clips values between 6 and 8 times the
-scale to 6; ours never clips, so the error of every element is bounded by a quarter of its
-own magnitude or of the scale: |x - q(x)| <= max(|x|, 2^e) / 4 (see tests/unit/test_codec.py).
-The price is a coarser grid for blocks whose amax lies just above a power of two. A block of
-zeros gets the smallest scale, 2^-127. Blocks within a factor 4 of float32's maximum cap
-their top codes so that nothing decodes to infinity (the bound above still holds).
+- `fp4_e2m1` (OCP MX FP4): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 times the scale.
+- `fp4_e3m0` (Streaming DiLoCo's format): no mantissa, 3 exponent bits. We give code 0 to
+  zero and codes 1..7 to 2^-6 .. 2^0 times the scale (exponent bias 7), so a block spans
+  six octaves below its largest value.
+
+Scale rule: the smallest power of two with amax <= top * 2^e (top = 6 for E2M1, 1 for E3M0).
+For E2M1 that is 2^ceil(log2(amax/6)), not the OCP rule 2^(floor(log2 amax) - 2): the OCP rule
+clips values between 6 and 8 times the scale to 6; ours never clips, so every E2M1 element's
+error is at most max(|x|, 2^e) / 4 (tests/unit/test_codec.py checks it). The price is a
+coarser grid for blocks whose amax lies just above a power of two. A block of zeros gets the
+smallest scale, 2^-127. Blocks within a factor 4 of float32's maximum cap their top codes so
+that nothing decodes to infinity.
+
+Rounding: to the nearest grid value with ties to the even code (default), or stochastic
+(unbiased: rounds up with probability proportional to the distance from the lower value).
 Non-finite inputs are refused, never encoded.
 """
 
@@ -34,14 +41,20 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 MIN_SCALE_EXP = -127  # the smallest E8M0 scale; 2^-127 is a float32 subnormal, still exact
 
-# Magnitudes of the 8 non-negative E2M1 codes, and the midpoints between neighbours.
-FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_FP4_MIDPOINTS = (FP4_VALUES[1:] + FP4_VALUES[:-1]) / 2
+F32_MAX = float(torch.finfo(torch.float32).max)
+
+# Magnitudes of the 8 non-negative codes of each 4-bit format, ascending.
+FP4_GRIDS = {
+    pb.CODEC_FP4_E2M1: torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]),
+    pb.CODEC_FP4_E3M0: torch.tensor([0.0] + [2.0**k for k in range(-6, 1)]),
+}
+ROUNDINGS = ("nearest", "stochastic")
 
 CODECS = {
     "fp32": pb.CODEC_FP32,
     "bf16": pb.CODEC_BF16,
     "fp4_e2m1": pb.CODEC_FP4_E2M1,
+    "fp4_e3m0": pb.CODEC_FP4_E3M0,
 }
 CODEC_NAMES = {value: name for name, value in CODECS.items()}
 
@@ -59,13 +72,21 @@ def encoded_sizes(codec: int, numel: int) -> tuple[int, int]:
         return 4 * numel, 0
     if codec == pb.CODEC_BF16:
         return 2 * numel, 0
-    if codec == pb.CODEC_FP4_E2M1:
+    if codec in FP4_GRIDS:
         return (numel + 1) // 2, (numel + FP4_BLOCK - 1) // FP4_BLOCK
     raise InvalidArgument(f"unknown codec {codec}")
 
 
-def encode(tensor: torch.Tensor, codec: str | int) -> pb.EncodedTensor:
-    """Encode a floating-point tensor of any shape; raises ValueError on non-finite values."""
+def encode(
+    tensor: torch.Tensor,
+    codec: str | int,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> pb.EncodedTensor:
+    """Encode a floating-point tensor of any shape; raises ValueError on non-finite values.
+
+    `rounding` applies to the 4-bit codecs; "stochastic" draws from `generator`.
+    """
     codec = codec_id(codec) if isinstance(codec, str) else codec
     flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
     if not bool(torch.isfinite(flat).all()):
@@ -75,8 +96,10 @@ def encode(tensor: torch.Tensor, codec: str | int) -> pb.EncodedTensor:
     elif codec == pb.CODEC_BF16:
         # bfloat16 has no numpy dtype: reinterpret the rounded bits as int16 to serialize.
         payload, scales = flat.to(torch.bfloat16).view(torch.int16).numpy().tobytes(), b""
-    elif codec == pb.CODEC_FP4_E2M1:
-        payload, scales = _encode_fp4(flat)
+    elif codec in FP4_GRIDS:
+        if rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
+        payload, scales = _encode_fp4(flat, FP4_GRIDS[codec], rounding == "stochastic", generator)
     else:
         raise ValueError(f"unknown codec {codec}")
     return pb.EncodedTensor(
@@ -115,42 +138,55 @@ def decode(msg: pb.EncodedTensor, expected_shape: tuple[int, ...] | None = None)
     elif msg.codec == pb.CODEC_BF16:
         flat = torch.frombuffer(bytearray(msg.payload), dtype=torch.bfloat16).float()
     else:
-        flat = _decode_fp4(msg.payload, msg.scales, numel)
+        flat = _decode_fp4(msg.payload, msg.scales, numel, FP4_GRIDS[msg.codec])
     if not bool(torch.isfinite(flat).all()):
         raise InvalidArgument("tensor holds NaN or infinite values")
     return flat.reshape(shape)
 
 
-def _block_scale_exponents(blocks: torch.Tensor) -> torch.Tensor:
-    """Per block (rows of `blocks`), the smallest e with amax <= 6 * 2^e, clamped to E8M0.
+def _block_scale_exponents(blocks: torch.Tensor, top: float) -> torch.Tensor:
+    """Per block (rows of `blocks`), the smallest e with amax <= top * 2^e, clamped to E8M0.
 
-    Exact integer logic via frexp: amax = m * 2^E with m in [0.5, 1); then amax <= 6 * 2^e
-    holds first at e = E - 3 when m <= 0.75 and at e = E - 2 otherwise.
+    Exact integer logic: with amax = m * 2^E (frexp, m in [0.5, 1)) the answer is
+    E - floor(log2 top) - 1 or one more; the comparison decides, in float64 where
+    top * 2^e is exact.
     """
     amax = blocks.abs().amax(dim=1)
-    mantissa, exponent = torch.frexp(amax)
-    exps = torch.where(mantissa <= 0.75, exponent - 3, exponent - 2).to(torch.int32)
+    _, exponent = torch.frexp(amax)
+    exps = exponent.to(torch.int32) - (math.floor(math.log2(top)) + 1)
+    limit = torch.ldexp(torch.full_like(amax, top, dtype=torch.float64), exps.double())
+    exps = exps + (amax.double() > limit).to(torch.int32)
     exps = torch.where(amax == 0, torch.full_like(exps, MIN_SCALE_EXP), exps)
     return exps.clamp(MIN_SCALE_EXP, E8M0_NAN - 1 - E8M0_BIAS)
 
 
-def _encode_fp4(flat: torch.Tensor) -> tuple[bytes, bytes]:
+def _encode_fp4(
+    flat: torch.Tensor, grid: torch.Tensor, stochastic: bool, generator: torch.Generator | None
+) -> tuple[bytes, bytes]:
     numel = flat.numel()
     n_blocks = (numel + FP4_BLOCK - 1) // FP4_BLOCK
     padded = torch.zeros(n_blocks * FP4_BLOCK, dtype=torch.float32)
     padded[:numel] = flat
     blocks = padded.view(n_blocks, FP4_BLOCK)
-    exps = _block_scale_exponents(blocks)
+    exps = _block_scale_exponents(blocks, float(grid[-1]))
     # ldexp by a power of two is exact (no rounding) unless the result underflows, and values
     # that small round to code 0 anyway.
     scaled = torch.ldexp(blocks, (-exps).unsqueeze(1).float()).abs().reshape(-1)
-    lower = torch.bucketize(scaled, _FP4_MIDPOINTS, right=False)
-    upper = torch.bucketize(scaled, _FP4_MIDPOINTS, right=True)
-    # lower != upper exactly at a midpoint: ties go to the even code.
-    codes = torch.where(lower % 2 == 0, lower, upper)
-    # Near float32's maximum, rounding up would decode to infinity: cap the code instead
-    # (6 * 2^125 is the last full grid; at 2^126 the top is 3, at 2^127 it is 1.5).
-    top_code = torch.where(exps == 127, 3, torch.where(exps == 126, 5, 7))
+    if stochastic:
+        below = (torch.bucketize(scaled, grid, right=True) - 1).clamp(0, len(grid) - 2)
+        low, high = grid[below], grid[below + 1]
+        p_up = ((scaled - low) / (high - low)).clamp(0, 1)
+        draw = torch.rand(scaled.shape, generator=generator)
+        codes = below + (draw < p_up).long()
+    else:
+        midpoints = (grid[1:] + grid[:-1]) / 2
+        lower = torch.bucketize(scaled, midpoints, right=False)
+        upper = torch.bucketize(scaled, midpoints, right=True)
+        # lower != upper exactly at a midpoint: ties go to the even code.
+        codes = torch.where(lower % 2 == 0, lower, upper)
+    # Near float32's maximum, rounding up could decode to infinity: cap the code instead.
+    headroom = F32_MAX / torch.ldexp(torch.ones(n_blocks, dtype=torch.float64), exps.double())
+    top_code = torch.bucketize(headroom, grid.double(), right=True) - 1
     codes = torch.minimum(codes, top_code.repeat_interleave(FP4_BLOCK)).to(torch.uint8)
     codes |= (padded < 0).to(torch.uint8) << 3
     codes = codes[: numel + (numel % 2)]  # drop block padding but keep an even count
@@ -159,13 +195,13 @@ def _encode_fp4(flat: torch.Tensor) -> tuple[bytes, bytes]:
     return packed.numpy().tobytes(), scales.numpy().tobytes()
 
 
-def _decode_fp4(payload: bytes, scales: bytes, numel: int) -> torch.Tensor:
+def _decode_fp4(payload: bytes, scales: bytes, numel: int, grid: torch.Tensor) -> torch.Tensor:
     scale_bytes = torch.frombuffer(bytearray(scales), dtype=torch.uint8)
     if bool((scale_bytes == E8M0_NAN).any()):
         raise InvalidArgument("FP4 block scale is NaN (E8M0 byte 255)")
     packed = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel].long()
-    magnitudes = FP4_VALUES[codes & 0x7]
+    magnitudes = grid[codes & 0x7]
     values = torch.where(codes >= 8, -magnitudes, magnitudes)
     exps = scale_bytes.to(torch.int32) - E8M0_BIAS
     per_element = exps.repeat_interleave(FP4_BLOCK)[:numel].float()

@@ -83,3 +83,25 @@ def params_crc32(tensors: Sequence[torch.Tensor]) -> int:
     for t in tensors:
         crc = zlib.crc32(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes(), crc)
     return crc
+
+
+def apply_updates(params: Sequence[torch.Tensor], data: bytes, have_version: int) -> int:
+    """Apply a serialized FragmentUpdates chain to a replica in place; returns the new version.
+
+    Every update is decoded and checked before the first one is applied, so a bad chain
+    leaves the replica untouched. The additions are the server's own (θ += decode(update)).
+    """
+    try:
+        chain = pb.FragmentUpdates.FromString(data)
+    except DecodeError as err:
+        raise InvalidArgument(f"update chain is not a valid FragmentUpdates: {err}") from err
+    if chain.from_version != have_version:
+        raise InvalidArgument(
+            f"update chain starts at version {chain.from_version}, replica is at {have_version}"
+        )
+    shapes = [tuple(p.shape) for p in params]
+    decoded = [decode_fragment(u.SerializeToString(), shapes) for u in chain.updates]
+    for update in decoded:
+        for p, q in zip(params, update, strict=True):
+            p.add_(q)
+    return have_version + len(decoded)

@@ -11,16 +11,19 @@ PullParams long-poll, tests) block on progress without sleeping.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from common.codec import CODECS
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from common.wire import encode_fragment, params_crc32
+from common.fragments import LAYOUTS, layout_fragments
+from server.fragment import FragmentState, PullResult
 from server.outer import NesterovOuter
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,14 @@ class AggregatorConfig:
     """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum (0.9 in DiLoCo)."""
+    fragments: int = 1
+    """P, the number of fragments the parameters are split into (Streaming DiLoCo)."""
+    layout: str = "strided"
+    """How parameters are split: strided, sequential or balanced (common/fragments.py)."""
+    pull_codec: str = "fp4_e2m1"
+    """Codec of the outer updates learners pull (with error feedback); fp32 pulls snapshots."""
+    update_log_versions: int = 16
+    """Quantized updates kept per fragment; a learner further behind gets a snapshot."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -64,6 +75,16 @@ class AggregatorConfig:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.pull_codec not in CODECS or self.pull_codec == "bf16":
+            raise ValueError(
+                f"pull_codec must be fp32, fp4_e2m1 or fp4_e3m0, got {self.pull_codec!r}"
+            )
+        if self.update_log_versions < 1:
+            raise ValueError(f"update_log_versions must be >= 1, got {self.update_log_versions}")
 
 
 @dataclass
@@ -76,36 +97,6 @@ class Session:
     loss: float = float("nan")
 
 
-@dataclass
-class Round:
-    """Contributions to the next version of one fragment, summed so memory stays O(model)."""
-
-    delta_sum: list[torch.Tensor] | None = None
-    contributors: set[str] = field(default_factory=set)
-    tokens: int = 0
-
-
-@dataclass
-class Fragment:
-    fragment_id: int
-    param_indices: list[int]
-    shapes: list[tuple[int, ...]]
-    outer: NesterovOuter
-    params: list[torch.Tensor] | None = None
-    version: int = -1
-    round: Round = field(default_factory=Round)
-    snapshot: Snapshot | None = None
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The fp32 parameters of a fragment at one version, serialized once for every pull."""
-
-    version: int
-    payload: bytes
-    params_crc32: int
-
-
 @dataclass(frozen=True)
 class JoinResult:
     session_id: str
@@ -113,6 +104,7 @@ class JoinResult:
     fragments: list[tuple[int, list[int], int]]  # (fragment_id, param_indices, version)
     lease_s: float
     mode: str
+    layout: str
 
 
 class Aggregator:
@@ -127,7 +119,7 @@ class Aggregator:
         self._cond = threading.Condition()
         self._sessions: dict[str, Session] = {}
         self._fingerprint: list[ParamSpec] | None = None
-        self._fragments: list[Fragment] = []
+        self._fragments: list[FragmentState] = []
 
     # -- membership ---------------------------------------------------------------------
 
@@ -140,9 +132,8 @@ class Aggregator:
         fingerprint = list(fingerprint)
         with self._cond:
             if self._fingerprint is None:
+                self._fragments = self._new_fragments(fingerprint)
                 self._fingerprint = fingerprint
-                # One fragment holding the whole model for now (Streaming DiLoCo splits it).
-                self._fragments = [self._new_fragment(0, fingerprint)]
             elif fingerprint != self._fingerprint:
                 raise FailedPrecondition(_fingerprint_mismatch(self._fingerprint, fingerprint))
             for old in [s for s in self._sessions.values() if s.learner_id == learner_id]:
@@ -163,6 +154,7 @@ class Aggregator:
                 fragments=[(f.fragment_id, f.param_indices, f.version) for f in self._fragments],
                 lease_s=self.config.lease_s,
                 mode=self.config.mode,
+                layout=self.config.layout,
             )
 
     def heartbeat(
@@ -212,8 +204,7 @@ class Aggregator:
         with self._cond:
             fragment = self._check_header(session_id, fragment_id, -1, initial=True)
             _check_shapes(fragment, tensors)
-            fragment.params = [t.detach().to(torch.float32).clone() for t in tensors]
-            fragment.version = 0
+            fragment.initialize(tensors)
             self._cond.notify_all()
             return 0
 
@@ -232,14 +223,8 @@ class Aggregator:
             _check_shapes(fragment, tensors)
             if tokens < 0:
                 raise InvalidArgument(f"tokens must be >= 0, got {tokens}")
+            fragment.add(session.learner_id, tensors, tokens)
             rnd = fragment.round
-            if rnd.delta_sum is None:
-                rnd.delta_sum = [t.detach().to(torch.float32).clone() for t in tensors]
-            else:
-                for acc, t in zip(rnd.delta_sum, tensors, strict=True):
-                    acc.add_(t)
-            rnd.contributors.add(session.learner_id)
-            rnd.tokens += tokens
             log.info(
                 "learner=%s pushed fragment=%d base=%d contributors=%d/%d",
                 session.learner_id,
@@ -262,19 +247,14 @@ class Aggregator:
             self._cond.wait_for(lambda: self._version_of(fragment_id) >= version, timeout=timeout_s)
             return self._version_of(fragment_id)
 
-    def snapshot(self, fragment_id: int) -> Snapshot:
-        """The current fp32 parameters of a fragment, serialized (cached per version)."""
+    def pull(self, session_id: str, fragment_id: int, have_version: int) -> PullResult:
+        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""
         with self._cond:
+            self._session(session_id)
             fragment = self._fragment(fragment_id)
             if fragment.params is None:
                 raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
-            if fragment.snapshot is None or fragment.snapshot.version != fragment.version:
-                fragment.snapshot = Snapshot(
-                    version=fragment.version,
-                    payload=encode_fragment(fragment.params, "fp32"),
-                    params_crc32=params_crc32(fragment.params),
-                )
-            return fragment.snapshot
+            return fragment.pull(have_version)
 
     def params(self, fragment_id: int) -> list[torch.Tensor]:
         """A copy of a fragment's global parameters (for tests and checkpoints)."""
@@ -284,17 +264,28 @@ class Aggregator:
 
     # -- internals (call with the lock held) ---------------------------------------------
 
-    def _new_fragment(self, fragment_id: int, specs: list[ParamSpec]) -> Fragment:
-        return Fragment(
-            fragment_id=fragment_id,
-            param_indices=list(range(len(specs))),
-            shapes=[spec.shape for spec in specs],
-            outer=NesterovOuter(self.config.outer_lr, self.config.outer_momentum),
-        )
+    def _new_fragments(self, specs: list[ParamSpec]) -> list[FragmentState]:
+        cfg = self.config
+        numels = [math.prod(spec.shape) for spec in specs]
+        try:
+            groups = layout_fragments([s.name for s in specs], numels, cfg.fragments, cfg.layout)
+        except ValueError as err:  # the model does not fit the server's layout
+            raise FailedPrecondition(str(err)) from err
+        return [
+            FragmentState(
+                fragment_id=fid,
+                param_indices=indices,
+                shapes=[specs[i].shape for i in indices],
+                outer=NesterovOuter(cfg.outer_lr, cfg.outer_momentum),
+                pull_codec=cfg.pull_codec,
+                update_log_versions=cfg.update_log_versions,
+            )
+            for fid, indices in enumerate(groups)
+        ]
 
     def _check_header(
         self, session_id: str, fragment_id: int, base_version: int, initial: bool
-    ) -> Fragment:
+    ) -> FragmentState:
         session = self._session(session_id)
         fragment = self._fragment(fragment_id)
         if initial:
@@ -336,7 +327,7 @@ class Aggregator:
         session.lease_deadline = self._clock() + self.config.lease_s
         return session
 
-    def _fragment(self, fragment_id: int) -> Fragment:
+    def _fragment(self, fragment_id: int) -> FragmentState:
         if not 0 <= fragment_id < len(self._fragments):
             raise NotFound(f"fragment {fragment_id} does not exist")
         return self._fragments[fragment_id]
@@ -347,7 +338,7 @@ class Aggregator:
         for fragment in self._fragments:
             self._maybe_close(fragment)
 
-    def _maybe_close(self, fragment: Fragment) -> None:
+    def _maybe_close(self, fragment: FragmentState) -> None:
         """Close the round once every live learner has contributed (sync mode)."""
         rnd = fragment.round
         if rnd.delta_sum is None or len(rnd.contributors) < self.config.min_contributors:
@@ -355,24 +346,19 @@ class Aggregator:
         live = {s.learner_id for s in self._sessions.values()}
         if not live <= rnd.contributors:
             return
-        count = len(rnd.contributors)
-        mean = [acc.div_(count) for acc in rnd.delta_sum]
-        started = time.perf_counter()
-        fragment.outer.step(fragment.params, mean)
-        fragment.version += 1
-        fragment.round = Round()
+        summary = fragment.close_round()
         log.info(
             "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
             fragment.fragment_id,
-            fragment.version,
-            count,
-            rnd.tokens,
-            time.perf_counter() - started,
+            summary.version,
+            summary.contributors,
+            summary.tokens,
+            summary.outer_step_s,
         )
         self._cond.notify_all()
 
 
-def _check_shapes(fragment: Fragment, tensors: Sequence[torch.Tensor]) -> None:
+def _check_shapes(fragment: FragmentState, tensors: Sequence[torch.Tensor]) -> None:
     shapes = [tuple(t.shape) for t in tensors]
     if shapes != fragment.shapes:
         raise InvalidArgument(

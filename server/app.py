@@ -48,7 +48,8 @@ class AggregatorService:
         self.config = config
         self.aggregator = Aggregator(config)
         self._server, self.port = create_server(config.listen)
-        pb_grpc.add_AggregatorServicer_to_server(AggregatorServicer(self.aggregator), self._server)
+        self.servicer = AggregatorServicer(self.aggregator)
+        pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["Aggregator"].full_name, reflection.SERVICE_NAME),
             self._server,

@@ -21,14 +21,28 @@ class NesterovOuter:
     momentum: float = 0.9
     momentum_buffers: list[torch.Tensor] | None = field(default=None)
 
+    def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Advance the momentum and return the Nesterov update −lr·(g + momentum·buf).
+
+        Used with quantized pulls, where the server adds a quantized copy of this update.
+        """
+        buffers = self._advance_momentum(grads)
+        return [
+            g.add(buf, alpha=self.momentum).mul_(-self.lr)
+            for g, buf in zip(grads, buffers, strict=True)
+        ]
+
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """One torch.optim.SGD(nesterov=True) step of `params` along `grads`."""
-        lr, momentum = self.lr, self.momentum
+        buffers = self._advance_momentum(grads)
+        for p, g, buf in zip(params, grads, buffers, strict=True):
+            p.add_(g.add(buf, alpha=self.momentum), alpha=-self.lr)
+
+    def _advance_momentum(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.momentum_buffers is None:
             # torch starts the buffer as a copy of the first gradient.
             self.momentum_buffers = [g.detach().clone() for g in grads]
         else:
             for buf, g in zip(self.momentum_buffers, grads, strict=True):
-                buf.mul_(momentum).add_(g)
-        for p, g, buf in zip(params, grads, self.momentum_buffers, strict=True):
-            p.add_(g.add(buf, alpha=momentum), alpha=-lr)
+                buf.mul_(self.momentum).add_(g)
+        return self.momentum_buffers

@@ -1,6 +1,7 @@
 """The gRPC servicer: decode the request, call the Aggregator, encode the answer.
 
-Domain errors (common.errors) become gRPC statuses here and nowhere else.
+Domain errors (common.errors) become gRPC statuses here and nowhere else. Every message in
+and out is counted in `traffic`, per fragment.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from common.errors import DilocoError, InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
+from common.traffic import Traffic
 from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
 from server.aggregator import Aggregator, ParamSpec
 
@@ -38,12 +40,13 @@ def _abort_on_domain_error(method):
 class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, aggregator: Aggregator) -> None:
         self.aggregator = aggregator
+        self.traffic = Traffic()
 
     @_abort_on_domain_error
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         fingerprint = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in request.fingerprint]
         result = self.aggregator.join(request.learner_id, fingerprint)
-        return pb.JoinResponse(
+        response = pb.JoinResponse(
             session_id=result.session_id,
             server_epoch=result.server_epoch,
             fragments=[
@@ -52,7 +55,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             ],
             lease_s=result.lease_s,
             mode=result.mode,
+            layout=result.layout,
         )
+        self.traffic.count(received=request.ByteSize(), sent=response.ByteSize())
+        return response
 
     @_abort_on_domain_error
     def PushFragment(self, request_iterator: Iterator[pb.PushFragmentRequest], context):
@@ -60,78 +66,76 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         if first is None or not first.HasField("header"):
             raise InvalidArgument("a push must start with a header message")
         header = first.header
+        fid = header.fragment_id
+        self.traffic.count(fid, received=first.ByteSize())
         agg = self.aggregator
         if header.kind not in (pb.PUSH_KIND_DELTA, pb.PUSH_KIND_INITIAL):
             raise InvalidArgument(f"unknown push kind {header.kind}")
         initial = header.kind == pb.PUSH_KIND_INITIAL
         # Refuse stale, duplicate or unknown pushes before reading their payload.
-        shapes = agg.check_push(header.session_id, header.fragment_id, header.base_version, initial)
+        shapes = agg.check_push(header.session_id, fid, header.base_version, initial)
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
         limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
-        pieces = (_chunk_of(msg) for msg in request_iterator)
-        data = join_chunks(pieces, header.payload_bytes, limit)
-        tensors = decode_fragment(data, shapes)
+        pieces = (self._chunk_of(msg, fid) for msg in request_iterator)
+        tensors = decode_fragment(join_chunks(pieces, header.payload_bytes, limit), shapes)
         if initial:
-            version = agg.initialize(header.session_id, header.fragment_id, tensors)
+            version = agg.initialize(header.session_id, fid, tensors)
         else:
             version = agg.push(
-                header.session_id,
-                header.fragment_id,
-                header.base_version,
-                tensors,
-                tokens=header.tokens,
+                header.session_id, fid, header.base_version, tensors, tokens=header.tokens
             )
-        return pb.PushFragmentResponse(accepted=True, round_version=version)
+        response = pb.PushFragmentResponse(accepted=True, round_version=version)
+        self.traffic.count(fid, sent=response.ByteSize())
+        return response
 
     @_abort_on_domain_error
     def PullParams(self, request: pb.PullParamsRequest, context):
-        agg = self.aggregator
+        agg, fid = self.aggregator, request.fragment_id
+        self.traffic.count(fid, received=request.ByteSize())
         agg.heartbeat(request.session_id)  # authenticates the session and renews its lease
-        if request.wait_for_version > agg.version(request.fragment_id):
+        if request.wait_for_version > agg.version(fid):
             wait_s = min(max(request.wait_timeout_s, 0.0), MAX_PULL_WAIT_S)
-            agg.wait_for_version(request.fragment_id, request.wait_for_version, wait_s)
-        snapshot = agg.snapshot(request.fragment_id)
-        if snapshot.version <= request.have_version:
-            header = pb.PullHeader(
-                fragment_id=request.fragment_id,
-                version=snapshot.version,
-                kind=pb.PULL_KIND_UP_TO_DATE,
-                params_crc32=snapshot.params_crc32,
-            )
-            return iter([pb.PullParamsResponse(header=header)])
+            agg.wait_for_version(fid, request.wait_for_version, wait_s)
+        result = agg.pull(request.session_id, fid, request.have_version)
         header = pb.PullHeader(
-            fragment_id=request.fragment_id,
-            version=snapshot.version,
-            kind=pb.PULL_KIND_SNAPSHOT,
-            payload_bytes=len(snapshot.payload),
-            params_crc32=snapshot.params_crc32,
+            fragment_id=fid,
+            version=result.version,
+            kind=result.kind,
+            payload_bytes=len(result.payload),
+            params_crc32=result.params_crc32,
         )
-        return _stream(header, snapshot.payload)
+        return self._stream(header, result.payload)
 
     @_abort_on_domain_error
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         versions, live = self.aggregator.heartbeat(
             request.session_id, request.step, request.tokens, request.loss
         )
-        return pb.HeartbeatResponse(
+        response = pb.HeartbeatResponse(
             server_epoch=self.aggregator.server_epoch,
             fragment_versions=versions,
             live_learners=live,
         )
+        self.traffic.count(received=request.ByteSize(), sent=response.ByteSize())
+        return response
 
     @_abort_on_domain_error
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
         self.aggregator.leave(request.session_id)
+        self.traffic.count(received=request.ByteSize())
         return pb.LeaveResponse()
 
+    def _chunk_of(self, msg: pb.PushFragmentRequest, fragment_id: int) -> bytes:
+        if not msg.HasField("chunk"):
+            raise InvalidArgument("only payload chunks may follow the push header")
+        self.traffic.count(fragment_id, received=msg.ByteSize())
+        return msg.chunk
 
-def _chunk_of(msg: pb.PushFragmentRequest) -> bytes:
-    if not msg.HasField("chunk"):
-        raise InvalidArgument("only payload chunks may follow the push header")
-    return msg.chunk
-
-
-def _stream(header: pb.PullHeader, payload: bytes) -> Iterator[pb.PullParamsResponse]:
-    yield pb.PullParamsResponse(header=header)
-    for piece in chunks(payload):
-        yield pb.PullParamsResponse(chunk=piece)
+    def _stream(self, header: pb.PullHeader, payload: bytes) -> Iterator[pb.PullParamsResponse]:
+        first = pb.PullParamsResponse(header=header)
+        self.traffic.count(header.fragment_id, sent=first.ByteSize())
+        yield first
+        for piece in chunks(payload):
+            msg = pb.PullParamsResponse(chunk=piece)
+            self.traffic.count(header.fragment_id, sent=msg.ByteSize())
+            yield msg

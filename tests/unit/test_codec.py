@@ -9,11 +9,12 @@ import torch
 from common.codec import FP4_BLOCK, decode, encode
 from common.errors import InvalidArgument
 
-GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E3M0 = [0.0] + [2.0**k for k in range(-6, 1)]
 F32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
 
 
-def reference_fp4(values: list[float]) -> list[float]:
+def reference_fp4(values: list[float], grid: list[float] = E2M1) -> list[float]:
     """Quantize element by element, in plain Python floats, the way the design specifies."""
     out = []
     for start in range(0, len(values), FP4_BLOCK):
@@ -21,12 +22,13 @@ def reference_fp4(values: list[float]) -> list[float]:
         amax = max(abs(v) for v in block)
         exp = -127
         if amax > 0:
-            exp = max(-127, math.ceil(math.log2(amax / 6)))
-            while amax > 6 * 2.0**exp:  # guard log2 rounding
+            exp = max(-127, math.ceil(math.log2(amax / grid[-1])))
+            while amax > grid[-1] * 2.0**exp:  # guard log2 rounding
                 exp += 1
-            while exp > -127 and amax <= 6 * 2.0 ** (exp - 1):
+            while exp > -127 and amax <= grid[-1] * 2.0 ** (exp - 1):
                 exp -= 1
-        top = [v for v in GRID if v * 2.0**exp <= F32_MAX]
+            exp = min(exp, 127)
+        top = [v for v in grid if v * 2.0**exp <= F32_MAX]
         for v in block:
             scaled = abs(v) / 2.0**exp
             # nearest grid value, ties to the even code (index)
@@ -68,6 +70,31 @@ def test_fp4_matches_reference_and_bound(name: str) -> None:
         assert ((xb - yb).abs() <= bound).all(), name
 
 
+@pytest.mark.parametrize("name", [n for n in CASES if n != "huge"])
+def test_fp4_e3m0_matches_reference(name: str) -> None:
+    x = CASES[name]
+    y = decode(encode(x, "fp4_e3m0"))
+    assert y.tolist() == as_f32(reference_fp4(x.tolist(), E3M0))
+    # Every decoded magnitude is zero or a power of two: no mantissa bits.
+    nonzero = y[y != 0].abs()
+    assert torch.equal(torch.frexp(nonzero).mantissa, torch.full_like(nonzero, 0.5))
+
+
+@pytest.mark.parametrize("codec", ["fp4_e2m1", "fp4_e3m0"])
+def test_stochastic_rounding_is_unbiased_and_stays_on_grid(codec: str) -> None:
+    x = torch.tensor([0.3, 0.7, -1.2, 2.6, 0.05, 6.0] * 6)  # one block, amax 6
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([decode(encode(x, codec, "stochastic", g)) for _ in range(4000)])
+    nearest = decode(encode(x, codec))
+    lower = torch.minimum(draws.min(0).values, nearest)
+    upper = torch.maximum(draws.max(0).values, nearest)
+    assert ((draws == lower) | (draws == upper)).all()  # only the two neighbours appear
+    # 4000 draws: the mean is within ~3 standard errors; nearest rounding is off by up to 0.6.
+    assert (draws.mean(0) - x).abs().max() < 0.1
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        encode(x, codec, "upwards")
+
+
 def test_fp4_packs_low_nibble_first() -> None:
     msg = encode(torch.tensor([1.0, -6.0, 0.5]), "fp4_e2m1")
     # amax 6 -> scale 2^0 (byte 127); codes: 1.0 -> 2, -6 -> 8|7 = 15, 0.5 -> 1
@@ -82,7 +109,7 @@ def test_fp4_sizes_and_bits_per_value() -> None:
 
 
 @pytest.mark.parametrize("shape", [(0,), (2, 0, 3), (5,), (3, 31), (4, 8, 33), ()])
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "fp4_e2m1"])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "fp4_e2m1", "fp4_e3m0"])
 def test_round_trip_any_shape(shape: tuple, codec: str) -> None:
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     y = decode(encode(x, codec), expected_shape=shape)

@@ -13,6 +13,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_FP32: _ClassVar[Codec]
     CODEC_BF16: _ClassVar[Codec]
     CODEC_FP4_E2M1: _ClassVar[Codec]
+    CODEC_FP4_E3M0: _ClassVar[Codec]
 
 class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,16 +26,19 @@ class PullKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PULL_KIND_UNSPECIFIED: _ClassVar[PullKind]
     PULL_KIND_SNAPSHOT: _ClassVar[PullKind]
     PULL_KIND_UP_TO_DATE: _ClassVar[PullKind]
+    PULL_KIND_UPDATES: _ClassVar[PullKind]
 CODEC_UNSPECIFIED: Codec
 CODEC_FP32: Codec
 CODEC_BF16: Codec
 CODEC_FP4_E2M1: Codec
+CODEC_FP4_E3M0: Codec
 PUSH_KIND_UNSPECIFIED: PushKind
 PUSH_KIND_DELTA: PushKind
 PUSH_KIND_INITIAL: PushKind
 PULL_KIND_UNSPECIFIED: PullKind
 PULL_KIND_SNAPSHOT: PullKind
 PULL_KIND_UP_TO_DATE: PullKind
+PULL_KIND_UPDATES: PullKind
 
 class EncodedTensor(_message.Message):
     __slots__ = ("codec", "shape", "payload", "scales", "crc32")
@@ -55,6 +59,14 @@ class EncodedFragment(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[EncodedTensor]
     def __init__(self, tensors: _Optional[_Iterable[_Union[EncodedTensor, _Mapping]]] = ...) -> None: ...
+
+class FragmentUpdates(_message.Message):
+    __slots__ = ("from_version", "updates")
+    FROM_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    from_version: int
+    updates: _containers.RepeatedCompositeFieldContainer[EncodedFragment]
+    def __init__(self, from_version: _Optional[int] = ..., updates: _Optional[_Iterable[_Union[EncodedFragment, _Mapping]]] = ...) -> None: ...
 
 class ParamSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -87,18 +99,20 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., fingerprint: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "server_epoch", "fragments", "lease_s", "mode")
+    __slots__ = ("session_id", "server_epoch", "fragments", "lease_s", "mode", "layout")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     server_epoch: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
     lease_s: float
     mode: str
-    def __init__(self, session_id: _Optional[str] = ..., server_epoch: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., lease_s: _Optional[float] = ..., mode: _Optional[str] = ...) -> None: ...
+    layout: str
+    def __init__(self, session_id: _Optional[str] = ..., server_epoch: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., lease_s: _Optional[float] = ..., mode: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("session_id", "fragment_id", "base_version", "inner_steps", "tokens", "kind", "payload_bytes")

@@ -1,0 +1,138 @@
+"""One fragment's global state: parameters, version, outer optimizer, open round, update log.
+
+With a 4-bit pull codec the server applies each outer update as θ ← θ + Q(u + e), where u is
+the Nesterov update, Q the codec's quantize-dequantize and e the residual of earlier updates
+(error feedback), and keeps Q(u + e) in a bounded log. A learner at version v pulls
+Q(u_v) … Q(u_now−1), adds them in order, and ends bit-identical to the server: both sides do
+the same float32 additions of the same decoded tensors. With `fp32` pulls the step is exactly
+torch.optim.SGD's and learners pull full snapshots.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from common.codec import codec_id, decode, encode
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import encode_fragment, params_crc32
+from server.outer import NesterovOuter
+
+
+@dataclass
+class Round:
+    """Contributions to the next version, summed so memory stays O(model)."""
+
+    delta_sum: list[torch.Tensor] | None = None
+    contributors: set[str] = field(default_factory=set)
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PullResult:
+    kind: int  # pb.PULL_KIND_*
+    version: int
+    payload: bytes
+    params_crc32: int
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    version: int
+    contributors: int
+    tokens: int
+    outer_step_s: float
+
+
+class FragmentState:
+    def __init__(
+        self,
+        fragment_id: int,
+        param_indices: list[int],
+        shapes: list[tuple[int, ...]],
+        outer: NesterovOuter,
+        pull_codec: str,
+        update_log_versions: int,
+    ) -> None:
+        self.fragment_id = fragment_id
+        self.param_indices = param_indices
+        self.shapes = shapes
+        self.outer = outer
+        self.pull_codec = codec_id(pull_codec)
+        self.params: list[torch.Tensor] | None = None
+        self.version = -1
+        self.round = Round()
+        self._residual: list[torch.Tensor] | None = None
+        # (version the update starts from, the quantized update) for the newest versions.
+        self._updates: deque[tuple[int, pb.EncodedFragment]] = deque(maxlen=update_log_versions)
+        self._snapshot: PullResult | None = None
+
+    def initialize(self, tensors: list[torch.Tensor]) -> None:
+        self.params = [t.detach().to(torch.float32).clone() for t in tensors]
+        self.version = 0
+
+    def add(self, learner_id: str, tensors: list[torch.Tensor], tokens: int) -> None:
+        rnd = self.round
+        if rnd.delta_sum is None:
+            rnd.delta_sum = [t.detach().to(torch.float32).clone() for t in tensors]
+        else:
+            for acc, t in zip(rnd.delta_sum, tensors, strict=True):
+                acc.add_(t)
+        rnd.contributors.add(learner_id)
+        rnd.tokens += tokens
+
+    def close_round(self) -> RoundSummary:
+        """Average the round's pseudo-gradients and apply one outer step."""
+        rnd, started = self.round, time.perf_counter()
+        assert rnd.delta_sum is not None and self.params is not None  # caller checked
+        mean = [acc.div_(len(rnd.contributors)) for acc in rnd.delta_sum]
+        if self.pull_codec == pb.CODEC_FP32:
+            self.outer.step(self.params, mean)
+        else:
+            self._apply_quantized(self.outer.update(mean))
+        self.version += 1
+        self.round = Round()
+        return RoundSummary(
+            self.version, len(rnd.contributors), rnd.tokens, time.perf_counter() - started
+        )
+
+    def pull(self, have_version: int) -> PullResult:
+        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""
+        snapshot = self._current_snapshot()
+        if have_version >= self.version:
+            return PullResult(pb.PULL_KIND_UP_TO_DATE, self.version, b"", snapshot.params_crc32)
+        log_covers = bool(self._updates) and 0 <= self._updates[0][0] <= have_version
+        if log_covers:
+            chain = [msg for start, msg in self._updates if start >= have_version]
+            data = pb.FragmentUpdates(from_version=have_version, updates=chain).SerializeToString()
+            if len(data) < len(snapshot.payload):
+                return PullResult(pb.PULL_KIND_UPDATES, self.version, data, snapshot.params_crc32)
+        return snapshot
+
+    def _apply_quantized(self, update: list[torch.Tensor]) -> None:
+        assert self.params is not None
+        if self._residual is not None:
+            for u, r in zip(update, self._residual, strict=True):
+                u.add_(r)
+        encoded = pb.EncodedFragment(tensors=[encode(u, self.pull_codec) for u in update])
+        quantized = [
+            decode(t, shape) for t, shape in zip(encoded.tensors, self.shapes, strict=True)
+        ]
+        self._residual = [u.sub_(q) for u, q in zip(update, quantized, strict=True)]
+        for p, q in zip(self.params, quantized, strict=True):
+            p.add_(q)  # the same float32 addition every learner does (common.wire.apply_updates)
+        self._updates.append((self.version, encoded))
+
+    def _current_snapshot(self) -> PullResult:
+        if self._snapshot is None or self._snapshot.version != self.version:
+            assert self.params is not None
+            self._snapshot = PullResult(
+                pb.PULL_KIND_SNAPSHOT,
+                self.version,
+                encode_fragment(self.params, "fp32"),
+                params_crc32(self.params),
+            )
+        return self._snapshot
