@@ -1,12 +1,10 @@
 """The learner's side of the wire: typed calls to the Aggregator, with byte accounting.
 
-Counts the serialized size of every gRPC message sent and received (protobuf bytes; HTTP/2
-framing and TLS add a few percent on top), so a learner can report what it put on the wire.
+Every message sent or received is counted in `traffic`, per fragment (common/traffic.py).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -14,21 +12,20 @@ import grpc
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import create_channel
+from common.traffic import Traffic
 from common.wire import chunks
 
 UNARY_TIMEOUT_S = 30.0
 
 
 class AggregatorClient:
-    """One channel to the aggregator; thread-safe (the heartbeat runs on its own thread)."""
+    """One channel to the aggregator; thread-safe (sync and heartbeat run on other threads)."""
 
     def __init__(self, target: str) -> None:
         self.target = target
         self._channel = create_channel(target)
         self._stub = pb_grpc.AggregatorStub(self._channel)
-        self._lock = threading.Lock()
-        self.bytes_sent = 0
-        self.bytes_received = 0
+        self.traffic = Traffic()
 
     def close(self) -> None:
         self._channel.close()
@@ -41,25 +38,26 @@ class AggregatorClient:
         request = pb.JoinRequest(
             learner_id=learner_id,
             fingerprint=fingerprint,
-            codecs=[pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_FP4_E2M1],
+            codecs=[pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_FP4_E2M1, pb.CODEC_FP4_E3M0],
         )
         return self._unary(self._stub.Join, request)
 
     def push(self, header: pb.PushHeader, payload: bytes) -> pb.PushFragmentResponse:
         """Stream a header and the payload in chunks; returns the server's verdict."""
         header.payload_bytes = len(payload)
+        fid = header.fragment_id
 
         def messages() -> Iterator[pb.PushFragmentRequest]:
-            for msg in [pb.PushFragmentRequest(header=header)]:
-                self._count(sent=msg.ByteSize())
-                yield msg
+            first = pb.PushFragmentRequest(header=header)
+            self.traffic.count(fid, sent=first.ByteSize())
+            yield first
             for piece in chunks(payload):
                 msg = pb.PushFragmentRequest(chunk=piece)
-                self._count(sent=msg.ByteSize())
+                self.traffic.count(fid, sent=msg.ByteSize())
                 yield msg
 
         response = self._stub.PushFragment(messages(), timeout=UNARY_TIMEOUT_S * 4)
-        self._count(received=response.ByteSize())
+        self.traffic.count(fid, received=response.ByteSize())
         return response
 
     def pull(
@@ -78,12 +76,12 @@ class AggregatorClient:
             wait_for_version=wait_for_version,
             wait_timeout_s=wait_timeout_s,
         )
-        self._count(sent=request.ByteSize())
+        self.traffic.count(fragment_id, sent=request.ByteSize())
         stream = self._stub.PullParams(request, timeout=wait_timeout_s + UNARY_TIMEOUT_S * 4)
         header: pb.PullHeader | None = None
         payload = bytearray()
         for msg in stream:
-            self._count(received=msg.ByteSize())
+            self.traffic.count(fragment_id, received=msg.ByteSize())
             if msg.HasField("header"):
                 header = msg.header
             else:
@@ -103,12 +101,6 @@ class AggregatorClient:
         self._unary(self._stub.Leave, pb.LeaveRequest(session_id=session_id))
 
     def _unary(self, method, request):
-        self._count(sent=request.ByteSize())
         response = method(request, timeout=UNARY_TIMEOUT_S)
-        self._count(received=response.ByteSize())
+        self.traffic.count(sent=request.ByteSize(), received=response.ByteSize())
         return response
-
-    def _count(self, sent: int = 0, received: int = 0) -> None:
-        with self._lock:
-            self.bytes_sent += sent
-            self.bytes_received += received

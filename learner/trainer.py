@@ -1,16 +1,18 @@
-"""The DiLoCo learner: H inner AdamW steps, push Δ = θ_global − θ_local, pull the new θ_global.
+"""The learner process: inner AdamW steps, with Streaming DiLoCo syncs of each fragment.
 
     learner = Learner(LearnerConfig(server="127.0.0.1:50051", learner_id="a"))
     summary = learner.run(stop=threading.Event())
 
 The first learner to join hands the server its initial parameters; every learner then starts
-from the server's copy, so all replicas begin identical. After each outer step the learner
-loads the global parameters exactly (checked by checksum) and evaluates them on the
-validation split.
+from the server's copy, so all replicas begin identical. Fragment syncs follow
+learner/streaming.py's schedule on a background thread. Every H inner steps (an outer step)
+the learner evaluates the global parameters on the validation split. With one fragment,
+merge_alpha 0 and overlap_steps 0 this is plain DiLoCo.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -26,14 +28,14 @@ import torch
 
 from common.codec import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import decode_fragment, encode_fragment, params_crc32
+from common.wire import encode_fragment, params_crc32
 from learner.client import AggregatorClient
 from learner.data import BatchSampler, load_text_corpus, load_token_file, stdlib_dir
 from learner.model import GPT, GPTConfig
+from learner.streaming import FragmentReplica, Schedule, StreamingSync
+from learner.transport import GrpcTransport
 
 log = logging.getLogger("diloco.learner")
-
-PULL_WAIT_S = 20.0
 
 
 @dataclass(kw_only=True)
@@ -43,7 +45,11 @@ class LearnerConfig(GPTConfig):
     learner_id: str = ""
     """Unique name of this learner (default: hostname-pid)."""
     sync_every_steps: int = 50
-    """H: inner steps between two pushes."""
+    """H: inner steps between two pushes of the same fragment."""
+    overlap_steps: int = 1
+    """τ: inner steps a fragment's sync may travel before it is merged (0: wait at once)."""
+    merge_alpha: float = 0.5
+    """α in θ ← α·θ_local + (1−α)·θ_global at the merge (0: take the global value)."""
     batch_size: int = 16
     """Sequences per inner step."""
     inner_lr: float = 1e-3
@@ -51,7 +57,7 @@ class LearnerConfig(GPTConfig):
     weight_decay: float = 0.1
     """AdamW weight decay."""
     push_codec: str = "fp4_e2m1"
-    """Codec of the pushed pseudo-gradients: fp4_e2m1, bf16 or fp32."""
+    """Codec of the pushed pseudo-gradients: fp4_e2m1, fp4_e3m0, bf16 or fp32."""
     max_outer_steps: int = 0
     """Stop after this many outer steps (0: no limit)."""
     duration_s: float = 0.0
@@ -88,6 +94,12 @@ class LearnerConfig(GPTConfig):
         for name in ("max_outer_steps", "duration_s", "torch_threads", "corpus_max_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.merge_alpha <= 1:
+            raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
+        if not 0 <= self.overlap_steps < self.sync_every_steps:
+            raise ValueError(
+                f"overlap_steps must be in [0, sync_every_steps), got {self.overlap_steps}"
+            )
         if not self.inner_lr > 0:
             raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")
         if ":" not in self.server:
@@ -107,14 +119,16 @@ class Progress:
     outer_steps: int = 0
     inner_steps: int = 0
     tokens: int = 0
-    version: int = -1
+    versions: list[int] = dataclasses.field(default_factory=list)  # per fragment
     eval_losses: list[float] = dataclasses.field(default_factory=list)
     compute_s: float = 0.0
     blocked_on_sync_s: float = 0.0
+    fragment_syncs: int = 0
     stale_pushes: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
-    params_crc32: int = 0
+    bytes_by_fragment: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
+    params_crc32: list[int] = dataclasses.field(default_factory=list)  # per fragment
     last_loss: float = math.nan
 
 
@@ -125,14 +139,14 @@ class Learner:
         torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
         self.model = GPT(config.model_config())
+        self.eval_model = copy.deepcopy(self.model)  # holds the global parameters for eval
         self.params = [p for _, p in self.model.named_parameters()]
         self.fingerprint = [
             pb.ParamSpec(name=name, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."))
             for name, p in self.model.named_parameters()
         ]
-        self.shapes = [tuple(p.shape) for p in self.params]
         train, val = _load_corpus(config)
-        data_seed = config.seed * 1_000_003 + _stable_hash(config.learner_id)
+        data_seed = config.seed * 1_000_003 + zlib.crc32(config.learner_id.encode())
         self.batches = BatchSampler(train, config.batch_size, config.block_size, data_seed)
         eval_sampler = BatchSampler(val, config.batch_size, config.block_size, seed=1234)
         self.eval_set = [eval_sampler.next() for _ in range(config.eval_batches)]
@@ -140,10 +154,11 @@ class Learner:
             self.model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay
         )
         self.client = AggregatorClient(config.server)
+        self.transport = GrpcTransport(self.client, lambda: self.session_id)
         self.progress = Progress(learner_id=config.learner_id)
-        self.global_params: list[torch.Tensor] = []
         self.session_id = ""
         self.lease_s = 10.0  # replaced by the server's value at Join
+        self.sync: StreamingSync | None = None
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -156,122 +171,118 @@ class Learner:
             self._join()
             threading.Thread(target=self._heartbeat, args=(heartbeat_stop,), daemon=True).start()
             self._record_eval()
+            step = 0
             while not stop.is_set():
                 if cfg.max_outer_steps and self.progress.outer_steps >= cfg.max_outer_steps:
                     break
                 if cfg.duration_s and time.monotonic() - started >= cfg.duration_s:
                     break
-                if not self._inner_steps(stop):
-                    break
-                self._sync(stop)
+                step += 1
+                self._inner_step()
+                self._sync_step(step)
+                if step % cfg.sync_every_steps == 0:
+                    self.progress.outer_steps += 1
+                    self._record_eval()
+            if not stop.is_set():
+                self._drain(step)
         finally:
             heartbeat_stop.set()
+            self.transport.close()
             self._leave()
-            self.progress.bytes_sent = self.client.bytes_sent
-            self.progress.bytes_received = self.client.bytes_received
+            self._finish_progress()
             self.client.close()
         return self.progress
 
-    def _inner_steps(self, stop: threading.Event) -> bool:
-        """H steps of AdamW on local data; False if stopped part way (the work is dropped)."""
+    def _inner_step(self) -> None:
+        t0 = time.perf_counter()
         self.model.train()
-        t0 = time.perf_counter()
-        for _ in range(self.config.sync_every_steps):
-            if stop.is_set():
-                return False
-            x, y = self.batches.next()
-            _, loss = self.model(x, y)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-            self.progress.inner_steps += 1
-            self.progress.tokens += x.numel()
-            self.progress.last_loss = loss.item()
+        x, y = self.batches.next()
+        _, loss = self.model(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.progress.inner_steps += 1
+        self.progress.tokens += x.numel()
+        self.progress.last_loss = loss.item()
         self.progress.compute_s += time.perf_counter() - t0
-        return True
 
-    def _sync(self, stop: threading.Event) -> None:
-        """Push this round's pseudo-gradient, wait for the round to close, load the result."""
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            deltas = [
-                g - p.detach().cpu() for g, p in zip(self.global_params, self.params, strict=True)
-            ]
-        header = pb.PushHeader(
-            session_id=self.session_id,
-            fragment_id=0,
-            base_version=self.progress.version,
-            inner_steps=self.config.sync_every_steps,
-            tokens=self.config.sync_every_steps * self.config.batch_size * self.config.block_size,
-            kind=pb.PUSH_KIND_DELTA,
-        )
+    def _sync_step(self, step: int) -> None:
+        assert self.sync is not None
         try:
-            reply = self.client.push(header, encode_fragment(deltas, self.config.push_codec))
-            target = reply.round_version
+            self.sync.push_phase(step)
+            self.sync.merge_phase(step)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:  # our lease expired: join again
-                log.warning(
-                    "learner=%s session lost (%s); rejoining", self.config.learner_id, err.details()
-                )
-                self._join()
-                return
-            if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
                 raise
-            # Stale: the round closed without us. Our update is lost; take the new state.
-            self.progress.stale_pushes += 1
-            log.warning("learner=%s push rejected: %s", self.config.learner_id, err.details())
-            target = self.progress.version + 1
-        while not stop.is_set() and self.progress.version < target:
-            self._pull(wait_for_version=target)
-        self.progress.blocked_on_sync_s += time.perf_counter() - t0
-        self.progress.outer_steps += 1
-        self._record_eval()
+            log.warning(
+                "learner=%s session lost (%s); rejoining", self.config.learner_id, err.details()
+            )
+            self._join()
+
+    def _drain(self, last_step: int) -> None:
+        """Merge the syncs still in flight after the last step, then take the global values.
+
+        Ends with every local parameter equal to the server's version that this learner saw.
+        """
+        assert self.sync is not None
+        for step in range(last_step + 1, last_step + 1 + self.config.overlap_steps):
+            self.sync.merge_phase(step)
+        self.sync.load_globals()
 
     # -- protocol steps --------------------------------------------------------------------
 
     def _join(self) -> None:
-        reply = self.client.join(self.config.learner_id, self.fingerprint)
+        cfg = self.config
+        reply = self.client.join(cfg.learner_id, self.fingerprint)
         self.session_id, self.lease_s = reply.session_id, reply.lease_s
         log.info(
-            "learner=%s joined epoch=%d mode=%s version=%d",
-            self.config.learner_id,
+            "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s",
+            cfg.learner_id,
             reply.server_epoch,
             reply.mode,
-            reply.fragments[0].version,
+            len(reply.fragments),
+            reply.layout,
         )
-        if reply.fragments[0].version < 0:
-            self._offer_initial_params()
-        self.progress.version = -1
-        while self.progress.version < 0:
-            self._pull(wait_for_version=0)
+        replicas = [
+            FragmentReplica(
+                f.fragment_id,
+                list(f.param_indices),
+                [tuple(self.params[i].shape) for i in f.param_indices],
+            )
+            for f in reply.fragments
+        ]
+        for f, replica in zip(reply.fragments, replicas, strict=True):
+            if f.version < 0:
+                self._offer_initial_params(replica)
+            replica.apply(self.transport.pull(replica.fragment_id, -1, wait_for_version=0))
+        schedule = Schedule(cfg.sync_every_steps, len(replicas), cfg.overlap_steps)
+        self.sync = StreamingSync(
+            self.params,
+            replicas,
+            schedule,
+            self.transport,
+            cfg.push_codec,
+            cfg.merge_alpha,
+            tokens_per_step=cfg.batch_size * cfg.block_size,
+        )
+        self.sync.load_globals()
 
-    def _offer_initial_params(self) -> None:
+    def _offer_initial_params(self, replica: FragmentReplica) -> None:
         header = pb.PushHeader(
-            session_id=self.session_id, fragment_id=0, base_version=-1, kind=pb.PUSH_KIND_INITIAL
+            session_id=self.session_id,
+            fragment_id=replica.fragment_id,
+            base_version=-1,
+            kind=pb.PUSH_KIND_INITIAL,
         )
+        local = [self.params[i].detach() for i in replica.indices]
         try:
-            self.client.push(header, encode_fragment(self.params, "fp32"))
-            log.info("learner=%s initialized the global parameters", self.config.learner_id)
+            self.client.push(header, encode_fragment(local, "fp32"))
+            log.info(
+                "learner=%s initialized fragment %d", self.config.learner_id, replica.fragment_id
+            )
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.ALREADY_EXISTS:
-                raise  # another learner was first otherwise: fine, we pull theirs
-
-    def _pull(self, wait_for_version: int) -> None:
-        header, payload = self.client.pull(
-            self.session_id, 0, self.progress.version, wait_for_version, PULL_WAIT_S
-        )
-        if header.kind != pb.PULL_KIND_SNAPSHOT:
-            return
-        tensors = decode_fragment(payload, self.shapes)
-        crc = params_crc32(tensors)
-        if crc != header.params_crc32:
-            raise RuntimeError(f"replica checksum {crc:#x} != server's {header.params_crc32:#x}")
-        with torch.no_grad():
-            for p, g in zip(self.params, tensors, strict=True):
-                p.copy_(g)
-        self.global_params = tensors
-        self.progress.version = header.version
-        self.progress.params_crc32 = crc
+                raise  # otherwise another learner was first: fine, we pull theirs
 
     def _heartbeat(self, stop: threading.Event) -> None:
         while not stop.wait(self.lease_s / 3):
@@ -297,24 +308,42 @@ class Learner:
             log.warning("learner=%s leave failed: %s", self.config.learner_id, err.code().name)
 
     def _record_eval(self) -> None:
-        self.model.eval()
+        """Evaluate the global parameters (the learner's replicas) on the validation split."""
+        assert self.sync is not None
+        eval_params = [p for _, p in self.eval_model.named_parameters()]
         with torch.no_grad():
-            losses = [self.model(x, y)[1].item() for x, y in self.eval_set]
+            for replica in self.sync.replicas:
+                for i, g in zip(replica.indices, replica.params, strict=True):
+                    eval_params[i].copy_(g)
+            self.eval_model.eval()
+            losses = [self.eval_model(x, y)[1].item() for x, y in self.eval_set]
         loss = sum(losses) / len(losses)
         self.progress.eval_losses.append(loss)
         p = self.progress
         log.info(
-            "learner=%s outer_step=%d version=%d eval_loss=%.4f train_loss=%.4f tokens=%d "
-            "sent_bytes=%d received_bytes=%d",
+            "learner=%s outer_step=%d versions=%s eval_loss=%.4f train_loss=%.4f tokens=%d "
+            "blocked_s=%.2f sent_bytes=%d received_bytes=%d",
             p.learner_id,
             p.outer_steps,
-            p.version,
+            [r.version for r in self.sync.replicas],
             loss,
             p.last_loss,
             p.tokens,
-            self.client.bytes_sent,
-            self.client.bytes_received,
+            self.sync.stats.blocked_s,
+            self.client.traffic.sent,
+            self.client.traffic.received,
         )
+
+    def _finish_progress(self) -> None:
+        p, traffic = self.progress, self.client.traffic
+        p.bytes_sent, p.bytes_received = traffic.sent, traffic.received
+        p.bytes_by_fragment = traffic.by_fragment()
+        p.stale_pushes = self.transport.stale_pushes
+        if self.sync is not None:
+            p.versions = [r.version for r in self.sync.replicas]
+            p.params_crc32 = [params_crc32(r.params) for r in self.sync.replicas]
+            p.blocked_on_sync_s = self.sync.stats.blocked_s
+            p.fragment_syncs = self.sync.stats.syncs
 
     def save_params(self, path: str) -> None:
         torch.save({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}, path)
@@ -327,7 +356,3 @@ def _load_corpus(config: LearnerConfig) -> tuple[torch.Tensor, torch.Tensor]:
     if path.suffix == ".bin":
         return load_token_file(path, config.vocab_size)
     return load_text_corpus(path, config.corpus_max_bytes)
-
-
-def _stable_hash(text: str) -> int:
-    return zlib.crc32(text.encode())

@@ -151,7 +151,7 @@ class Aggregator:
             return JoinResult(
                 session_id=session.session_id,
                 server_epoch=self.server_epoch,
-                fragments=[(f.fragment_id, f.param_indices, f.version) for f in self._fragments],
+                fragments=self._layout(),
                 lease_s=self.config.lease_s,
                 mode=self.config.mode,
                 layout=self.config.layout,
@@ -181,6 +181,11 @@ class Aggregator:
             for session in expired:
                 self._drop(session, "lease expired")
             return [s.learner_id for s in expired]
+
+    def layout(self) -> list[tuple[int, list[int], int]]:
+        """(fragment_id, parameter indices, version) of every fragment."""
+        with self._cond:
+            return self._layout()
 
     def live_learners(self) -> list[str]:
         with self._cond:
@@ -313,6 +318,9 @@ class Aggregator:
                 f"{fragment.version + 1} of fragment {fragment_id}"
             )
         return fragment
+
+    def _layout(self) -> list[tuple[int, list[int], int]]:
+        return [(f.fragment_id, f.param_indices, f.version) for f in self._fragments]
 
     def _version_of(self, fragment_id: int) -> int:
         """The fragment's version, or -2 (below any version) while it does not exist."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
-from pathlib import Path
 
+import pytest
 import torch
 
 from tests.integration.conftest import learner_log
@@ -13,14 +13,30 @@ from tests.integration.conftest import learner_log
 OUTER_STEPS = 4
 
 
-def test_two_learners_end_bit_identical_to_the_server(start_service, start_learner, tmp_path):
-    service = start_service(lease_s=10.0, min_contributors=2)
+@pytest.mark.parametrize(
+    "server_config, learner_flags",
+    [
+        # Plain DiLoCo: one fragment, fp32 pulls, take the global value at once.
+        ({"pull_codec": "fp32"}, ["--overlap-steps", "0", "--merge-alpha", "0"]),
+        # Streaming DiLoCo: two strided fragments, 4-bit both ways, overlapped merge.
+        (
+            {"fragments": 2, "pull_codec": "fp4_e2m1"},
+            ["--n-layer", "2", "--overlap-steps", "2", "--merge-alpha", "0.5"],
+        ),
+    ],
+    ids=["diloco", "streaming"],
+)
+def test_two_learners_end_bit_identical_to_the_server(
+    start_service, start_learner, tmp_path, server_config, learner_flags
+):
+    service = start_service(lease_s=10.0, min_contributors=2, **server_config)
     procs = {
         name: start_learner(
             service.port,
             name,
             "--max-outer-steps",
             str(OUTER_STEPS),
+            *learner_flags,
             "--save-params",
             str(tmp_path / f"{name}.pt"),
             "--summary-file",
@@ -31,17 +47,22 @@ def test_two_learners_end_bit_identical_to_the_server(start_service, start_learn
     for name, proc in procs.items():
         assert proc.wait(timeout=180) == 0, learner_log(tmp_path, name)
     agg = service.aggregator
-    assert agg.version(0) == OUTER_STEPS
-    server_params = agg.params(0)
+    layout = agg.layout()
+    assert len(layout) == server_config.get("fragments", 1)
+    server_params: dict[int, torch.Tensor] = {}
+    for fid, indices, version in layout:
+        assert version == OUTER_STEPS  # each fragment synced once per H steps
+        server_params.update(zip(indices, agg.params(fid), strict=True))
     for name in procs:
-        saved = torch.load(tmp_path / f"{name}.pt")
+        saved = list(torch.load(tmp_path / f"{name}.pt").values())
         assert len(saved) == len(server_params)
-        for got, want in zip(saved.values(), server_params, strict=True):
-            assert torch.equal(got, want), f"learner {name} differs from the server"
-        summary = json.loads(Path(tmp_path / f"{name}.json").read_text())
+        for i, got in enumerate(saved):
+            assert torch.equal(got, server_params[i]), f"learner {name} param {i} differs"
+        summary = json.loads((tmp_path / f"{name}.json").read_text())
         assert summary["outer_steps"] == OUTER_STEPS
-        assert summary["version"] == OUTER_STEPS
-        assert summary["bytes_sent"] > 0 and summary["bytes_received"] > 0
+        assert summary["versions"] == [OUTER_STEPS] * len(layout)
+        assert summary["fragment_syncs"] == OUTER_STEPS * len(layout)
+        assert set(summary["bytes_by_fragment"]) >= {str(fid) for fid, _, _ in layout}
         assert len(summary["eval_losses"]) == OUTER_STEPS + 1
         assert summary["eval_losses"][-1] < summary["eval_losses"][0]
 

@@ -1,0 +1,203 @@
+"""Streaming DiLoCo on the learner: which fragment syncs when, replicas, and the merge rule.
+
+    schedule = Schedule(sync_every_steps=50, fragments=4, overlap_steps=2)
+    schedule.pushes_at(step)   # fragments whose pseudo-gradient is sent after this inner step
+    schedule.merges_at(step)   # fragments whose new global value is merged after this step
+
+Fragment p is pushed every H inner steps at offset p·H/P (steps count from 1): after steps
+off_p, off_p + H, off_p + 2H … (fragment 0 first after step H). The push travels while
+training goes on; τ inner steps later the new global fragment is merged into the local
+parameters as θ_p ← α·θ_p(local) + (1−α)·θ_p(global). α = 0 and τ = 0 give plain DiLoCo.
+
+`StreamingSync` drives that schedule over any `Transport`: the learner process uses gRPC on a
+background thread; bench/quality.py uses the in-process aggregator, so both run this code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import apply_updates, decode_fragment, encode_fragment, params_crc32
+
+
+@dataclass(frozen=True)
+class Schedule:
+    sync_every_steps: int
+    fragments: int = 1
+    overlap_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sync_every_steps < 1:
+            raise ValueError(f"sync_every_steps must be >= 1, got {self.sync_every_steps}")
+        if not 1 <= self.fragments <= self.sync_every_steps:
+            raise ValueError(
+                f"fragments must be between 1 and sync_every_steps ({self.sync_every_steps}), "
+                f"got {self.fragments}"
+            )
+        if not 0 <= self.overlap_steps < self.sync_every_steps:
+            raise ValueError(
+                f"overlap_steps must be in [0, sync_every_steps), got {self.overlap_steps}"
+            )
+
+    def offset(self, fragment: int) -> int:
+        return fragment * self.sync_every_steps // self.fragments
+
+    def pushes_at(self, step: int) -> list[int]:
+        """Fragments to push right after inner step `step` (1-based)."""
+        h = self.sync_every_steps
+        return [
+            p
+            for p in range(self.fragments)
+            if step > 0 and step >= self.offset(p) and (step - self.offset(p)) % h == 0
+        ]
+
+    def merges_at(self, step: int) -> list[int]:
+        """Fragments whose push τ steps ago is merged right after inner step `step`."""
+        return self.pushes_at(step - self.overlap_steps)
+
+
+def merge(local: Sequence[torch.Tensor], global_: Sequence[torch.Tensor], alpha: float) -> None:
+    """θ_local ← α·θ_local + (1−α)·θ_global, in place (α = 0 copies the global value exactly)."""
+    with torch.no_grad():
+        for p, g in zip(local, global_, strict=True):
+            g = g.to(p.device, p.dtype)
+            if alpha == 0:
+                p.copy_(g)
+            else:
+                p.mul_(alpha).add_(g, alpha=1 - alpha)
+
+
+@dataclass
+class PullReply:
+    kind: int  # pb.PULL_KIND_*
+    version: int
+    payload: bytes
+    params_crc32: int
+
+
+class Transport(Protocol):
+    """How a fragment sync travels: start it now, collect the new global value later."""
+
+    def start_sync(self, fragment_id: int, base_version: int, payload: bytes, tokens: int) -> Any:
+        """Send the pseudo-gradient; returns a handle for finish_sync."""
+
+    def finish_sync(self, handle: Any) -> PullReply:
+        """Block until the fragment's new global value is available and return it."""
+
+
+class FragmentReplica:
+    """The learner's exact copy of one global fragment (float32, on the CPU)."""
+
+    def __init__(self, fragment_id: int, indices: list[int], shapes: list[tuple[int, ...]]):
+        self.fragment_id = fragment_id
+        self.indices = indices
+        self.shapes = shapes
+        self.version = -1
+        self.params: list[torch.Tensor] = []
+
+    def apply(self, reply: PullReply) -> bool:
+        """Bring the replica to the reply's version; checks the server's checksum."""
+        if reply.kind == pb.PULL_KIND_UP_TO_DATE:
+            return False
+        if reply.kind == pb.PULL_KIND_SNAPSHOT:
+            params = decode_fragment(reply.payload, self.shapes)
+            version = reply.version
+        elif reply.kind == pb.PULL_KIND_UPDATES:
+            params = [p.clone() for p in self.params]
+            version = apply_updates(params, reply.payload, self.version)
+        else:
+            raise ValueError(f"unknown pull kind {reply.kind}")
+        crc = params_crc32(params)
+        if version != reply.version or crc != reply.params_crc32:
+            raise RuntimeError(
+                f"fragment {self.fragment_id} replica at version {version} crc {crc:#x} does "
+                f"not match the server's version {reply.version} crc {reply.params_crc32:#x}"
+            )
+        self.params, self.version = params, version
+        return True
+
+
+@dataclass
+class SyncStats:
+    syncs: int = 0
+    blocked_s: float = 0.0
+    push_bytes: int = 0
+    pull_bytes: int = 0
+    peak_sync_bytes: int = 0  # the largest push + pull of one fragment sync
+
+
+class StreamingSync:
+    """Runs the schedule for one learner: push deltas, merge replies, count the cost."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        replicas: list[FragmentReplica],
+        schedule: Schedule,
+        transport: Transport,
+        push_codec: str = "fp4_e2m1",
+        merge_alpha: float = 0.5,
+        tokens_per_step: int = 0,
+    ) -> None:
+        if not 0 <= merge_alpha <= 1:
+            raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
+        self.params = list(params)
+        self.replicas = replicas
+        self.schedule = schedule
+        self.transport = transport
+        self.push_codec = push_codec
+        self.merge_alpha = merge_alpha
+        self.tokens_per_step = tokens_per_step
+        self.stats = SyncStats()
+        self._in_flight: dict[int, tuple[Any, int]] = {}  # fragment -> (handle, push bytes)
+        self._last_push_step = [0] * len(replicas)
+
+    def local(self, replica: FragmentReplica) -> list[torch.Tensor]:
+        return [self.params[i] for i in replica.indices]
+
+    def push_phase(self, step: int) -> None:
+        """Send the pseudo-gradients of the fragments scheduled after this step."""
+        for p in self.schedule.pushes_at(step):
+            replica = self.replicas[p]
+            with torch.no_grad():
+                local = self.local(replica)
+                deltas = [g - x.detach().cpu() for g, x in zip(replica.params, local, strict=True)]
+            payload = encode_fragment(deltas, self.push_codec)
+            tokens = (step - self._last_push_step[p]) * self.tokens_per_step
+            self._last_push_step[p] = step
+            handle = self.transport.start_sync(p, replica.version, payload, tokens)
+            self._in_flight[p] = (handle, len(payload))
+            self.stats.push_bytes += len(payload)
+
+    def merge_phase(self, step: int) -> list[int]:
+        """Merge the fragments due after this step, waiting only if one is not back yet."""
+        merged = []
+        for p in self.schedule.merges_at(step):
+            if p not in self._in_flight:
+                continue  # pushed before this learner (re)started
+            handle, push_bytes = self._in_flight.pop(p)
+            started = time.perf_counter()
+            reply = self.transport.finish_sync(handle)
+            self.stats.blocked_s += time.perf_counter() - started
+            replica = self.replicas[p]
+            replica.apply(reply)
+            merge(self.local(replica), replica.params, self.merge_alpha)
+            self.stats.syncs += 1
+            self.stats.pull_bytes += len(reply.payload)
+            self.stats.peak_sync_bytes = max(
+                self.stats.peak_sync_bytes, push_bytes + len(reply.payload)
+            )
+            merged.append(p)
+        return merged
+
+    def load_globals(self) -> None:
+        """Set the local parameters to the global replicas exactly (at start or re-sync)."""
+        for replica in self.replicas:
+            merge(self.local(replica), replica.params, alpha=0.0)
+        self._in_flight.clear()

@@ -1,0 +1,119 @@
+"""The Streaming DiLoCo schedule, the merge rule, and StreamingSync over a fake transport."""
+
+import pytest
+import torch
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import decode_fragment, encode_fragment, params_crc32
+from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync, merge
+
+
+def pushes(schedule: Schedule, steps: int) -> dict[int, list[int]]:
+    """{step: fragments pushed} over the first `steps` steps."""
+    return {t: schedule.pushes_at(t) for t in range(1, steps + 1) if schedule.pushes_at(t)}
+
+
+def test_single_fragment_syncs_every_h_steps() -> None:
+    assert pushes(Schedule(5), 16) == {5: [0], 10: [0], 15: [0]}
+
+
+def test_fragments_are_staggered_by_h_over_p() -> None:
+    # H = 12, P = 4: offsets 0, 3, 6, 9; fragment 0 first after a full H.
+    assert pushes(Schedule(12, 4), 24) == {
+        3: [1],
+        6: [2],
+        9: [3],
+        12: [0],
+        15: [1],
+        18: [2],
+        21: [3],
+        24: [0],
+    }
+
+
+def test_every_fragment_syncs_once_per_h_in_steady_state() -> None:
+    for h, p in [(10, 3), (50, 4), (7, 7)]:
+        window = pushes(Schedule(h, p), 10 * h)
+        counts = [sum(f in fs for t, fs in window.items() if t > h) for f in range(p)]
+        assert counts == [9] * p, (h, p)
+
+
+@pytest.mark.parametrize("tau", [0, 1, 3])
+def test_merges_come_tau_steps_after_pushes(tau: int) -> None:
+    schedule = Schedule(8, 2, overlap_steps=tau)
+    for t in range(1, 40):
+        assert schedule.merges_at(t + tau) == schedule.pushes_at(t)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sync_every_steps": 0}, "sync_every_steps"),
+        ({"sync_every_steps": 4, "fragments": 5}, "fragments must be between"),
+        ({"sync_every_steps": 4, "overlap_steps": 4}, "overlap_steps"),
+    ],
+)
+def test_bad_schedules_are_refused(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        Schedule(**kwargs)
+
+
+def test_merge_rule() -> None:
+    local, global_ = [torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]
+    merge(local, global_, alpha=0.5)
+    assert local[0].tolist() == [2.0, 4.0]
+    merge(local, global_, alpha=0.0)
+    assert torch.equal(local[0], global_[0])
+    merge(local, [torch.zeros(2)], alpha=1.0)
+    assert torch.equal(local[0], global_[0])
+
+
+class EchoTransport:
+    """A server of one learner: the new global value is base − mean delta (outer lr 1)."""
+
+    def __init__(self, replicas):
+        self.replicas, self.log = replicas, []
+
+    def start_sync(self, fragment_id, base_version, payload, tokens):
+        self.log.append(("push", fragment_id, tokens))
+        replica = self.replicas[fragment_id]
+        deltas = decode_fragment(payload, replica.shapes)
+        new = [g - d for g, d in zip(replica.params, deltas, strict=True)]
+        return PullReply(
+            pb.PULL_KIND_SNAPSHOT, base_version + 1, encode_fragment(new, "fp32"), params_crc32(new)
+        )
+
+    def finish_sync(self, handle):
+        self.log.append(("merge", handle.version))
+        return handle
+
+
+def test_streaming_sync_pushes_deltas_and_merges_after_tau() -> None:
+    params = [torch.zeros(4), torch.zeros(3)]
+    replicas = [FragmentReplica(0, [0], [(4,)]), FragmentReplica(1, [1], [(3,)])]
+    for r in replicas:
+        r.params, r.version = [torch.zeros(r.shapes[0])], 0
+    transport = EchoTransport(replicas)
+    sync = StreamingSync(
+        params,
+        replicas,
+        Schedule(4, 2, overlap_steps=1),
+        transport,
+        push_codec="fp32",
+        merge_alpha=0.5,
+        tokens_per_step=10,
+    )
+    for step in range(1, 5):
+        with torch.no_grad():
+            for p in params:
+                p.add_(1.0)  # "training" moves every parameter by +1 per step
+        sync.push_phase(step)
+        sync.merge_phase(step)
+    # Fragment 1 pushed after step 2 (delta −2), merged after step 3: global 2, local 3 -> 2.5,
+    # then local 3.5 after step 4.
+    assert params[1].tolist() == [3.5] * 3
+    assert replicas[1].version == 1 and replicas[1].params[0].tolist() == [2.0] * 3
+    # Fragment 0 pushed after step 4 and not merged yet (τ = 1).
+    assert params[0].tolist() == [4.0] * 4 and replicas[0].version == 0
+    assert transport.log == [("push", 1, 20), ("merge", 1), ("push", 0, 40)]
+    assert sync.stats.syncs == 1 and sync.stats.peak_sync_bytes > 0
