@@ -14,7 +14,9 @@ RUN_LEARNERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install run test proto proto-check lint clean
+BENCH_STAMP := $(VENV)/.installed-bench
+
+.PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick
 
 install: $(STAMP)
 
@@ -29,6 +31,16 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	touch $@
+
+bench-quality: $(BENCH_STAMP)
+	$(BIN)/python bench/quality.py
+
+bench-quality-quick: $(BENCH_STAMP)
+	$(BIN)/python bench/quality.py --quick
 
 proto: $(STAMP)
 	$(BIN)/python -m common.protogen

@@ -10,15 +10,17 @@ Layouts:
   fragment), for models that are not a stack of blocks.
 
 For `strided` and `sequential`, a parameter is in block i when its name contains
-`blocks.i.`, `layers.i.` or `h.i.`. Parameters outside the blocks are placed explicitly: those
-before the first block in parameter order (embeddings) join fragment 0, those after the last
-(final norm, output head) join fragment P-1.
+`blocks.i.`, `layers.i.` or `h.i.`. Parameters outside the blocks (embeddings, final norm,
+output head) are placed after the blocks, largest first, each into the fragment that holds
+the fewest values at that point (ties: the lowest fragment id). That keeps the largest
+fragment, and so the peak bytes of one sync, close to 1/P of the model even when the
+embeddings are a large share of it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 LAYOUTS = ("strided", "sequential", "balanced")
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
@@ -45,11 +47,13 @@ def layout_fragments(
     if layout == "balanced":
         groups = _balanced(numels, num_fragments)
     else:
-        groups = _by_block(names, num_fragments, layout)
+        groups = _by_block(names, numels, num_fragments, layout)
     return [sorted(g) for g in groups]
 
 
-def _by_block(names: Sequence[str], parts: int, layout: str) -> list[list[int]]:
+def _by_block(
+    names: Sequence[str], numels: Sequence[int], parts: int, layout: str
+) -> list[list[int]]:
     blocks = [block_index(n) for n in names]
     distinct = sorted({b for b in blocks if b is not None})
     if len(distinct) < parts:
@@ -59,24 +63,32 @@ def _by_block(names: Sequence[str], parts: int, layout: str) -> list[list[int]]:
         )
     rank = {b: i for i, b in enumerate(distinct)}
     groups: list[list[int]] = [[] for _ in range(parts)]
-    seen_block = False
+    loads = [0] * parts
+    outside = []
     for index, block in enumerate(blocks):
         if block is None:
-            groups[parts - 1 if seen_block else 0].append(index)
+            outside.append(index)
             continue
-        seen_block = True
         r = rank[block]
         part = r % parts if layout == "strided" else r * parts // len(distinct)
         groups[part].append(index)
+        loads[part] += numels[index]
+    _place_greedily(outside, numels, groups, loads)
     return groups
 
 
 def _balanced(numels: Sequence[int], parts: int) -> list[list[int]]:
     groups: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
-    # Largest first; ties by index so the layout is the same on every machine.
-    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        lightest = min(range(parts), key=lambda p: (loads[p], p))
+    _place_greedily(range(len(numels)), numels, groups, [0] * parts)
+    return groups
+
+
+def _place_greedily(
+    indices: Iterable[int], numels: Sequence[int], groups: list[list[int]], loads: list[int]
+) -> None:
+    """Largest first, each tensor into the lightest fragment; ties by index, so every
+    machine computes the same layout."""
+    for index in sorted(indices, key=lambda i: (-numels[i], i)):
+        lightest = min(range(len(groups)), key=lambda p: (loads[p], p))
         groups[lightest].append(index)
         loads[lightest] += numels[index]
-    return groups

@@ -53,12 +53,19 @@ def test_two_learners_end_bit_identical_to_the_server(
     for fid, indices, version in layout:
         assert version == OUTER_STEPS  # each fragment synced once per H steps
         server_params.update(zip(indices, agg.params(fid), strict=True))
+    # Byte accounting: per fragment, the server received exactly what the learners sent.
+    summaries = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in procs}
+    server_traffic = service.servicer.traffic.by_fragment()
+    for fid, _, _ in layout:
+        learner_traffic = [s["bytes_by_fragment"][str(fid)] for s in summaries.values()]
+        assert server_traffic[fid]["received"] == sum(t["sent"] for t in learner_traffic)
+        assert server_traffic[fid]["sent"] == sum(t["received"] for t in learner_traffic)
     for name in procs:
         saved = list(torch.load(tmp_path / f"{name}.pt").values())
         assert len(saved) == len(server_params)
         for i, got in enumerate(saved):
             assert torch.equal(got, server_params[i]), f"learner {name} param {i} differs"
-        summary = json.loads((tmp_path / f"{name}.json").read_text())
+        summary = summaries[name]
         assert summary["outer_steps"] == OUTER_STEPS
         assert summary["versions"] == [OUTER_STEPS] * len(layout)
         assert summary["fragment_syncs"] == OUTER_STEPS * len(layout)

@@ -1,0 +1,240 @@
+"""Train K learners in one process against the real aggregator, or one data-parallel model.
+
+The learners run the project's own code: learner/streaming.py's schedule and merge
+(StreamingSync), common/codec.py on every payload, and server/aggregator.py's rounds, outer
+Nesterov step, error feedback and update log. Only the network is replaced: an in-process
+transport hands each payload to the Aggregator as the gRPC servicer would (check the header,
+decode, push; pull what the learner's version needs). Lockstep: all K learners take inner
+step t, then all push, then all merge, so a sync round closes exactly as with K processes
+that run at the same speed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from common.wire import decode_fragment
+from learner.data import BatchSampler, load_text_corpus, stdlib_dir
+from learner.model import GPT, GPTConfig
+from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
+from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+
+
+@dataclass(kw_only=True)
+class Setup:
+    """What every variant shares: model, data, learners, token budget."""
+
+    n_layer: int = 4
+    n_embd: int = 64
+    n_head: int = 4
+    block_size: int = 128
+    batch_size: int = 16
+    learners: int = 4
+    steps: int = 1000
+    inner_lr: float = 1e-3
+    weight_decay: float = 0.1
+    eval_every: int = 100
+    eval_batches: int = 32
+    corpus_max_bytes: int = 4 << 20
+    seed: int = 0
+
+    def model_config(self) -> GPTConfig:
+        return GPTConfig(
+            n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head, block_size=self.block_size
+        )
+
+
+@dataclass(kw_only=True)
+class Variant:
+    """One training method. `kind` is "dp" (the baseline) or "diloco" (any DiLoCo flavour)."""
+
+    name: str
+    kind: str = "diloco"
+    sync_every_steps: int = 10
+    fragments: int = 1
+    overlap_steps: int = 0
+    merge_alpha: float = 0.0
+    push_codec: str = "fp32"
+    pull_codec: str = "fp32"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    warm_start_steps: int = 0  # data-parallel steps before the learners split (DiLoCo paper)
+
+
+@dataclass
+class Result:
+    variant: dict
+    eval_loss: float
+    curve: list[tuple[int, float]] = field(default_factory=list)  # (total tokens, eval loss)
+    bytes_per_learner: int = 0  # sent + received, one learner, whole run
+    peak_sync_bytes: int = 0  # the most one learner moves in one sync event
+    blocked_s: float = 0.0
+    wall_s: float = 0.0
+
+
+class InProcessTransport:
+    """The servicer's path without the network: check header, decode, push; pull by version."""
+
+    def __init__(self, aggregator: Aggregator, session_id: str) -> None:
+        self.aggregator, self.session_id = aggregator, session_id
+
+    def start_sync(self, fragment_id: int, base_version: int, payload: bytes, tokens: int):
+        shapes = self.aggregator.check_push(self.session_id, fragment_id, base_version)
+        tensors = decode_fragment(payload, shapes)
+        self.aggregator.push(self.session_id, fragment_id, base_version, tensors, tokens)
+        return fragment_id, base_version
+
+    def finish_sync(self, handle) -> PullReply:
+        fragment_id, base_version = handle
+        result = self.aggregator.pull(self.session_id, fragment_id, base_version)
+        if result.version <= base_version:
+            raise RuntimeError(f"fragment {fragment_id} round did not close in lockstep")
+        return PullReply(result.kind, result.version, result.payload, result.params_crc32)
+
+
+def load_data(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
+    return load_text_corpus(stdlib_dir(), setup.corpus_max_bytes)
+
+
+def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
+    torch.set_num_threads(threads)
+    started = time.perf_counter()
+    train, val = load_data(setup)
+    eval_set = BatchSampler(val, setup.batch_size, setup.block_size, seed=1234)
+    eval_batches = [eval_set.next() for _ in range(setup.eval_batches)]
+    torch.manual_seed(setup.seed)
+    model = GPT(setup.model_config())
+    if variant.kind == "dp":
+        result = _run_data_parallel(setup, variant, model, train, eval_batches)
+    else:
+        result = _run_diloco(setup, variant, model, train, eval_batches)
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    model.eval()
+    with torch.no_grad():
+        losses = [model(x, y)[1].item() for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _optimizer(setup: Setup, model: GPT) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=setup.inner_lr, weight_decay=setup.weight_decay)
+
+
+def _step(model: GPT, optimizer: torch.optim.Optimizer, batch) -> None:
+    _, loss = model(*batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+
+
+def _run_data_parallel(setup, variant, model, train, eval_batches) -> Result:
+    """K learners averaging gradients every step == one model on a K-times larger batch."""
+    k = setup.learners
+    sampler = BatchSampler(train, setup.batch_size * k, setup.block_size, seed=1000)
+    optimizer = _optimizer(setup, model)
+    tokens_per_step = setup.batch_size * k * setup.block_size
+    curve = [(0, evaluate(model, eval_batches))]
+    for step in range(1, setup.steps + 1):
+        _step(model, optimizer, sampler.next())
+        if step % setup.eval_every == 0 or step == setup.steps:
+            curve.append((step * tokens_per_step, evaluate(model, eval_batches)))
+    numel = sum(p.numel() for p in model.parameters())
+    # Ring all-reduce of fp32 gradients: each learner sends and receives 2(K-1)/K of them.
+    per_step = 2 * (2 * (k - 1) / k) * numel * 4
+    return Result(asdict(variant), curve[-1][1], curve, int(per_step * setup.steps), int(per_step))
+
+
+def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
+    k = setup.learners
+    warm_cost = Result({}, 0.0)
+    if variant.warm_start_steps:
+        # A short data-parallel start, as DiLoCo starts from a partly trained model.
+        warm = Setup(**{**asdict(setup), "steps": variant.warm_start_steps})
+        warm_variant = Variant(name="warm", kind="dp")
+        warm_cost = _run_data_parallel(warm, warm_variant, model, train, eval_batches)
+    specs = [ParamSpec(n, tuple(p.shape), "float32") for n, p in model.named_parameters()]
+    aggregator = Aggregator(
+        AggregatorConfig(
+            lease_s=1e9,
+            fragments=variant.fragments,
+            pull_codec=variant.pull_codec,
+            outer_lr=variant.outer_lr,
+            outer_momentum=variant.outer_momentum,
+        )
+    )
+    sessions = [aggregator.join(f"learner-{i}", specs).session_id for i in range(k)]
+    layout = aggregator.layout()
+    params0 = [p.detach() for p in model.parameters()]
+    for fid, indices, _ in layout:
+        aggregator.initialize(sessions[0], fid, [params0[i] for i in indices])
+    schedule = Schedule(variant.sync_every_steps, variant.fragments, variant.overlap_steps)
+    learners = []
+    for i, session in enumerate(sessions):
+        replica_model = GPT(setup.model_config())
+        replica_model.load_state_dict(model.state_dict())
+        params = [p for _, p in replica_model.named_parameters()]
+        replicas = []
+        for fid, indices, _ in layout:
+            replica = FragmentReplica(fid, indices, [tuple(params[j].shape) for j in indices])
+            result = aggregator.pull(session, fid, -1)
+            replica.apply(
+                PullReply(result.kind, result.version, result.payload, result.params_crc32)
+            )
+            replicas.append(replica)
+        sync = StreamingSync(
+            params,
+            replicas,
+            schedule,
+            InProcessTransport(aggregator, session),
+            variant.push_codec,
+            variant.merge_alpha,
+            tokens_per_step=setup.batch_size * setup.block_size,
+        )
+        sync.load_globals()
+        sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=1000 + i)
+        learners.append((replica_model, _optimizer(setup, replica_model), sampler, sync))
+    eval_model = GPT(setup.model_config())
+    eval_params = [p for _, p in eval_model.named_parameters()]
+
+    def global_loss() -> float:
+        with torch.no_grad():
+            for fid, indices, _ in aggregator.layout():
+                for j, g in zip(indices, aggregator.params(fid), strict=True):
+                    eval_params[j].copy_(g)
+        return evaluate(eval_model, eval_batches)
+
+    tokens_per_step = setup.batch_size * k * setup.block_size
+    warm = variant.warm_start_steps  # these steps' tokens are already spent
+    curve = [(warm * tokens_per_step, global_loss())]
+    local_steps = setup.steps - warm
+    for t in range(1, local_steps + 1):
+        for replica_model, optimizer, sampler, _ in learners:
+            _step(replica_model, optimizer, sampler.next())
+        for *_, sync in learners:
+            sync.push_phase(t)
+        for *_, sync in learners:
+            sync.merge_phase(t)
+        if (warm + t) % setup.eval_every == 0 or t == local_steps:
+            curve.append(((warm + t) * tokens_per_step, global_loss()))
+    for t in range(local_steps + 1, local_steps + 1 + variant.overlap_steps):
+        for *_, sync in learners:  # merge the syncs still in flight
+            sync.merge_phase(t)
+    final = global_loss()
+    curve[-1] = (curve[-1][0], final)
+    stats = [sync.stats for *_, sync in learners]
+    return Result(
+        asdict(variant),
+        final,
+        curve,
+        bytes_per_learner=max(s.push_bytes + s.pull_bytes for s in stats)
+        + warm_cost.bytes_per_learner,
+        peak_sync_bytes=max([s.peak_sync_bytes for s in stats] + [warm_cost.peak_sync_bytes]),
+        blocked_s=max(s.blocked_s for s in stats),
+    )
