@@ -1,7 +1,8 @@
 """The main job (`make run`): one aggregator and N learners as separate processes on loopback.
 
-    python deploy/local_run.py --duration-s 180 --learners 2
+    python deploy/local_run.py --duration-s 180 --learners 2 --fragments 2
 
+Streaming DiLoCo by default: P = 2 fragments, 4-bit pushes and pulls, overlapped merges.
 The server binds a free port and writes it to a file; learners train on the built-in corpus
 until the duration passes, then leave. Prints every learner's eval loss as it falls, then a
 summary; exits non-zero if any process failed or the eval loss did not fall.
@@ -36,6 +37,7 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=180.0)
     parser.add_argument("--learners", type=int, default=2)
     parser.add_argument("--sync-every-steps", type=int, default=50)
+    parser.add_argument("--fragments", type=int, default=2, help="Streaming DiLoCo's P")
     parser.add_argument("--workdir", default="", help="where logs and summaries go")
     parser.add_argument(
         "--min-loss-drop",
@@ -56,7 +58,15 @@ def main() -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     server_log = open(workdir / "server.log", "w")
     server = subprocess.Popen(
-        [BIN / "diloco-server", "--listen", "127.0.0.1:0", "--port-file", workdir / "port"],
+        [
+            BIN / "diloco-server",
+            "--listen",
+            "127.0.0.1:0",
+            "--port-file",
+            workdir / "port",
+            "--fragments",
+            str(args.fragments),
+        ],
         stdout=server_log,
         stderr=subprocess.STDOUT,
     )

@@ -57,6 +57,22 @@ class Schedule:
             if step > 0 and step >= self.offset(p) and (step - self.offset(p)) % h == 0
         ]
 
+    def sync_step(self, fragment: int, version: int) -> int:
+        """The step after which `fragment` reached `version` (0 for version 0)."""
+        if version <= 0:
+            return 0
+        first = self.offset(fragment) or self.sync_every_steps
+        return first + (version - 1) * self.sync_every_steps
+
+    def resume_step(self, versions: Sequence[int]) -> int:
+        """The schedule step a (re)joining learner starts from, given the fragment versions.
+
+        In sync mode every live learner must push each fragment at the same schedule step, or
+        two learners can each wait at a merge for a push the other makes only later. Starting
+        from the step that produced the newest version puts a newcomer in phase with the rest.
+        """
+        return max(self.sync_step(p, v) for p, v in enumerate(versions))
+
     def merges_at(self, step: int) -> list[int]:
         """Fragments whose push τ steps ago is merged right after inner step `step`."""
         return self.pushes_at(step - self.overlap_steps)

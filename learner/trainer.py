@@ -159,6 +159,7 @@ class Learner:
         self.session_id = ""
         self.lease_s = 10.0  # replaced by the server's value at Join
         self.sync: StreamingSync | None = None
+        self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -171,20 +172,19 @@ class Learner:
             self._join()
             threading.Thread(target=self._heartbeat, args=(heartbeat_stop,), daemon=True).start()
             self._record_eval()
-            step = 0
             while not stop.is_set():
                 if cfg.max_outer_steps and self.progress.outer_steps >= cfg.max_outer_steps:
                     break
                 if cfg.duration_s and time.monotonic() - started >= cfg.duration_s:
                     break
-                step += 1
+                self.step += 1
                 self._inner_step()
-                self._sync_step(step)
-                if step % cfg.sync_every_steps == 0:
+                self._sync_step(self.step)
+                if self.step % cfg.sync_every_steps == 0:
                     self.progress.outer_steps += 1
                     self._record_eval()
             if not stop.is_set():
-                self._drain(step)
+                self._drain(self.step)
         finally:
             heartbeat_stop.set()
             self.transport.close()
@@ -256,6 +256,7 @@ class Learner:
                 self._offer_initial_params(replica)
             replica.apply(self.transport.pull(replica.fragment_id, -1, wait_for_version=0))
         schedule = Schedule(cfg.sync_every_steps, len(replicas), cfg.overlap_steps)
+        self.step = schedule.resume_step([r.version for r in replicas])
         self.sync = StreamingSync(
             self.params,
             replicas,

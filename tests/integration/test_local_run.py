@@ -23,6 +23,8 @@ def test_local_run_trains_and_summarises(tmp_path) -> None:
             "0.5",
             "--",
             *TINY_LEARNER_FLAGS,
+            "--n-layer",
+            "2",
         ],
         cwd=REPO,
         capture_output=True,
@@ -32,4 +34,5 @@ def test_local_run_trains_and_summarises(tmp_path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     table = result.stdout.split("eval loss first -> last")[1].strip().splitlines()
     assert [line.split()[0] for line in table] == ["learner-0", "learner-1"]
-    assert (tmp_path / "server.log").read_text().count("version=") >= 2
+    server_log = (tmp_path / "server.log").read_text()
+    assert "fragment=1 version=" in server_log  # Streaming DiLoCo: two fragments by default

@@ -92,3 +92,31 @@ def test_a_killed_learner_does_not_stall_the_other(start_service, start_learner,
     survivor.send_signal(signal.SIGTERM)
     assert survivor.wait(timeout=60) == 0, learner_log(tmp_path, "survivor")
     assert agg.live_learners() == []
+
+
+def test_a_late_joiner_falls_in_phase_without_deadlock(start_service, start_learner, tmp_path):
+    """Streaming sync: a learner joining mid-run starts at the schedule step of the newest
+    version, so neither learner waits at a merge for a push the other makes only later."""
+    service = start_service(lease_s=10.0, fragments=2)
+    agg = service.aggregator
+    flags = ["--n-layer", "2", "--overlap-steps", "1"]
+    early = start_learner(service.port, "early", *flags, "--max-outer-steps", "100000")
+    # Wait until the early learner, alone, has closed rounds of both fragments.
+    assert agg.wait_for_version(0, 2, timeout_s=120) >= 2, learner_log(tmp_path, "early")
+    joined_at = [version for _, _, version in agg.layout()]
+    late = start_learner(
+        service.port,
+        "late",
+        *flags,
+        "--max-outer-steps",
+        "4",
+        "--summary-file",
+        str(tmp_path / "late.json"),
+    )
+    assert late.wait(timeout=60) == 0, learner_log(tmp_path, "late")
+    assert early.poll() is None  # still training, now alone again
+    early.send_signal(signal.SIGTERM)
+    assert early.wait(timeout=60) == 0, learner_log(tmp_path, "early")
+    late_summary = json.loads((tmp_path / "late.json").read_text())
+    assert late_summary["outer_steps"] == 4
+    assert all(v >= j + 3 for v, j in zip(late_summary["versions"], joined_at, strict=True))

@@ -58,6 +58,17 @@ def test_bad_schedules_are_refused(kwargs, message) -> None:
         Schedule(**kwargs)
 
 
+def test_resume_step_puts_a_newcomer_in_phase() -> None:
+    schedule = Schedule(12, 4)  # pushes: 3:[1] 6:[2] 9:[3] 12:[0] 15:[1] ...
+    assert schedule.resume_step([0, 0, 0, 0]) == 0
+    assert schedule.resume_step([0, 1, 0, 0]) == 3
+    assert schedule.resume_step([1, 2, 1, 1]) == 15
+    # From there, the newcomer's next pushes are the ones the others wait for.
+    assert schedule.pushes_at(16) == [] and schedule.pushes_at(18) == [2]
+    for p, v in enumerate([3, 3, 2, 2]):
+        assert schedule.pushes_at(schedule.sync_step(p, v)).count(p) == 1
+
+
 def test_merge_rule() -> None:
     local, global_ = [torch.tensor([1.0, 2.0])], [torch.tensor([3.0, 6.0])]
     merge(local, global_, alpha=0.5)
