@@ -81,11 +81,18 @@ class InProcessTransport:
     def __init__(self, aggregator: Aggregator, session_id: str) -> None:
         self.aggregator, self.session_id = aggregator, session_id
 
-    def start_sync(self, fragment_id: int, base_version: int, payload: bytes, tokens: int):
+    def start_sync(
+        self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
+    ):
         shapes = self.aggregator.check_push(self.session_id, fragment_id, base_version)
         tensors = decode_fragment(payload, shapes)
-        self.aggregator.push(self.session_id, fragment_id, base_version, tensors, tokens)
+        self.aggregator.push(
+            self.session_id, fragment_id, base_version, tensors, tokens, inner_steps
+        )
         return fragment_id, base_version
+
+    def ready(self, handle) -> bool:
+        return True  # lockstep: the round closed when the last learner pushed
 
     def finish_sync(self, handle) -> PullReply:
         fragment_id, base_version = handle

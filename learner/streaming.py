@@ -100,11 +100,16 @@ class PullReply:
 class Transport(Protocol):
     """How a fragment sync travels: start it now, collect the new global value later."""
 
-    def start_sync(self, fragment_id: int, base_version: int, payload: bytes, tokens: int) -> Any:
+    def start_sync(
+        self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
+    ) -> Any:
         """Send the pseudo-gradient; returns a handle for finish_sync."""
 
     def finish_sync(self, handle: Any) -> PullReply:
         """Block until the fragment's new global value is available and return it."""
+
+    def ready(self, handle: Any) -> bool:
+        """True if finish_sync would return without waiting."""
 
 
 class FragmentReplica:
@@ -146,6 +151,8 @@ class SyncStats:
     push_bytes: int = 0
     pull_bytes: int = 0
     peak_sync_bytes: int = 0  # the largest push + pull of one fragment sync
+    late_merges: int = 0  # non-blocking: merged after the merge point, on arrival
+    skipped_pushes: int = 0  # non-blocking: the fragment's previous sync was still out
 
 
 class StreamingSync:
@@ -160,7 +167,10 @@ class StreamingSync:
         push_codec: str = "fp4_e2m1",
         merge_alpha: float = 0.5,
         tokens_per_step: int = 0,
+        blocking: bool = True,
     ) -> None:
+        """`blocking` (sync mode): wait at a merge point for a reply that is not back.
+        Otherwise (quorum, async) keep training and merge on arrival."""
         if not 0 <= merge_alpha <= 1:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
         self.params = list(params)
@@ -170,8 +180,10 @@ class StreamingSync:
         self.push_codec = push_codec
         self.merge_alpha = merge_alpha
         self.tokens_per_step = tokens_per_step
+        self.blocking = blocking
         self.stats = SyncStats()
-        self._in_flight: dict[int, tuple[Any, int]] = {}  # fragment -> (handle, push bytes)
+        # fragment -> (handle, push bytes, the step after which it is due for merging)
+        self._in_flight: dict[int, tuple[Any, int, int]] = {}
         self._last_push_step = [0] * len(replicas)
 
     def local(self, replica: FragmentReplica) -> list[torch.Tensor]:
@@ -180,24 +192,32 @@ class StreamingSync:
     def push_phase(self, step: int) -> None:
         """Send the pseudo-gradients of the fragments scheduled after this step."""
         for p in self.schedule.pushes_at(step):
+            if p in self._in_flight:
+                # Non-blocking only: the last sync is still out. Keep training; the next
+                # push carries the steps of both (and counts their tokens).
+                self.stats.skipped_pushes += 1
+                continue
             replica = self.replicas[p]
             with torch.no_grad():
                 local = self.local(replica)
                 deltas = [g - x.detach().cpu() for g, x in zip(replica.params, local, strict=True)]
             payload = encode_fragment(deltas, self.push_codec)
-            tokens = (step - self._last_push_step[p]) * self.tokens_per_step
+            steps = step - self._last_push_step[p]
             self._last_push_step[p] = step
-            handle = self.transport.start_sync(p, replica.version, payload, tokens)
-            self._in_flight[p] = (handle, len(payload))
+            handle = self.transport.start_sync(
+                p, replica.version, payload, steps * self.tokens_per_step, steps
+            )
+            self._in_flight[p] = (handle, len(payload), step + self.schedule.overlap_steps)
             self.stats.push_bytes += len(payload)
 
     def merge_phase(self, step: int) -> list[int]:
-        """Merge the fragments due after this step, waiting only if one is not back yet."""
+        """Merge the fragments due after this step; wait for one that is not back only in
+        blocking mode, otherwise merge it after a later step, when it has arrived."""
         merged = []
-        for p in self.schedule.merges_at(step):
-            if p not in self._in_flight:
-                continue  # pushed before this learner (re)started
-            handle, push_bytes = self._in_flight.pop(p)
+        for p, (handle, push_bytes, due) in sorted(self._in_flight.items()):
+            if due > step or (not self.blocking and not self.transport.ready(handle)):
+                continue
+            del self._in_flight[p]
             started = time.perf_counter()
             reply = self.transport.finish_sync(handle)
             self.stats.blocked_s += time.perf_counter() - started
@@ -205,12 +225,16 @@ class StreamingSync:
             replica.apply(reply)
             merge(self.local(replica), replica.params, self.merge_alpha)
             self.stats.syncs += 1
+            self.stats.late_merges += due < step
             self.stats.pull_bytes += len(reply.payload)
             self.stats.peak_sync_bytes = max(
                 self.stats.peak_sync_bytes, push_bytes + len(reply.payload)
             )
             merged.append(p)
         return merged
+
+    def in_flight(self) -> list[int]:
+        return sorted(self._in_flight)
 
     def load_globals(self) -> None:
         """Set the local parameters to the global replicas exactly (at start or re-sync)."""

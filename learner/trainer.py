@@ -72,6 +72,8 @@ class LearnerConfig(GPTConfig):
     """Seed of the model initialisation; the data order also mixes in the learner id."""
     torch_threads: int = 0
     """Threads for torch (0: the CPU count divided by --learners-per-host)."""
+    slowdown: float = 1.0
+    """Simulate a slower island: each inner step takes this many times as long (>= 1)."""
     learners_per_host: int = 1
     """How many learners share this host, to size the default thread count."""
     connect_timeout_s: float = 30.0
@@ -94,6 +96,8 @@ class LearnerConfig(GPTConfig):
         for name in ("max_outer_steps", "duration_s", "torch_threads", "corpus_max_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.slowdown >= 1:
+            raise ValueError(f"slowdown must be >= 1, got {self.slowdown}")
         if not 0 <= self.merge_alpha <= 1:
             raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
         if not 0 <= self.overlap_steps < self.sync_every_steps:
@@ -124,6 +128,8 @@ class Progress:
     compute_s: float = 0.0
     blocked_on_sync_s: float = 0.0
     fragment_syncs: int = 0
+    late_merges: int = 0
+    skipped_pushes: int = 0
     stale_pushes: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -204,6 +210,8 @@ class Learner:
         self.progress.inner_steps += 1
         self.progress.tokens += x.numel()
         self.progress.last_loss = loss.item()
+        if self.config.slowdown > 1:  # a slower island: idle as if the step took longer
+            time.sleep((time.perf_counter() - t0) * (self.config.slowdown - 1))
         self.progress.compute_s += time.perf_counter() - t0
 
     def _sync_step(self, step: int) -> None:
@@ -225,8 +233,8 @@ class Learner:
         Ends with every local parameter equal to the server's version that this learner saw.
         """
         assert self.sync is not None
-        for step in range(last_step + 1, last_step + 1 + self.config.overlap_steps):
-            self.sync.merge_phase(step)
+        self.sync.blocking = True  # the run is over: waiting costs no training
+        self.sync.merge_phase(last_step + self.config.overlap_steps)
         self.sync.load_globals()
 
     # -- protocol steps --------------------------------------------------------------------
@@ -265,6 +273,7 @@ class Learner:
             cfg.push_codec,
             cfg.merge_alpha,
             tokens_per_step=cfg.batch_size * cfg.block_size,
+            blocking=reply.mode == "sync",  # quorum and async learners never wait
         )
         self.sync.load_globals()
 
@@ -292,6 +301,7 @@ class Learner:
                 step=self.progress.inner_steps,
                 tokens=self.progress.tokens,
                 loss=self.progress.last_loss,
+                step_time_s=self.progress.compute_s / max(1, self.progress.inner_steps),
             )
             try:
                 self.client.heartbeat(request)
@@ -345,6 +355,8 @@ class Learner:
             p.params_crc32 = [params_crc32(r.params) for r in self.sync.replicas]
             p.blocked_on_sync_s = self.sync.stats.blocked_s
             p.fragment_syncs = self.sync.stats.syncs
+            p.late_merges = self.sync.stats.late_merges
+            p.skipped_pushes = self.sync.stats.skipped_pushes
 
     def save_params(self, path: str) -> None:
         torch.save({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}, path)

@@ -30,12 +30,17 @@ class GrpcTransport:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sync")
 
     def start_sync(
-        self, fragment_id: int, base_version: int, payload: bytes, tokens: int
+        self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
     ) -> Future[PullReply]:
-        return self._worker.submit(self._sync, fragment_id, base_version, payload, tokens)
+        return self._worker.submit(
+            self._sync, fragment_id, base_version, payload, tokens, inner_steps
+        )
 
     def finish_sync(self, handle: Future[PullReply]) -> PullReply:
         return handle.result()
+
+    def ready(self, handle: Future[PullReply]) -> bool:
+        return handle.done()
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
@@ -49,12 +54,15 @@ class GrpcTransport:
             if header.version >= wait_for_version:
                 return PullReply(header.kind, header.version, payload, header.params_crc32)
 
-    def _sync(self, fragment_id: int, base_version: int, payload: bytes, tokens: int) -> PullReply:
+    def _sync(
+        self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
+    ) -> PullReply:
         header = pb.PushHeader(
             session_id=self.session_id(),
             fragment_id=fragment_id,
             base_version=base_version,
             tokens=tokens,
+            inner_steps=inner_steps,
             kind=pb.PUSH_KIND_DELTA,
         )
         try:

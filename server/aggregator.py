@@ -23,12 +23,17 @@ import torch
 from common.codec import CODECS
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from common.fragments import LAYOUTS, layout_fragments
-from server.fragment import FragmentState, PullResult
-from server.outer import NesterovOuter
+from server.fragment import FragmentState, PullResult, Round
+from server.outer import DelayedNesterov, NesterovOuter
+from server.policy import (
+    MODES,
+    WEIGHTINGS,
+    contribution_weight,
+    grace_window_s,
+    staleness_discount,
+)
 
 log = logging.getLogger(__name__)
-
-MODES = ("sync",)
 
 
 @dataclass(frozen=True)
@@ -45,12 +50,24 @@ class AggregatorConfig:
     """How the aggregator runs rounds and leases."""
 
     mode: str = "sync"
-    """Aggregation mode; `sync` closes a round when every live learner has pushed."""
+    """sync (round closes when every live learner pushed), quorum or async (server/policy.py)."""
     lease_s: float = 10.0
     """A learner that neither heartbeats nor calls for this long is dropped from rounds."""
     min_contributors: int = 1
-    """A round closes only once at least this many learners pushed to it (and, in sync
-    mode, every live learner did): set it to the expected count to start all together."""
+    """K: a round closes only once at least this many learners pushed to it (in sync mode,
+    also every live learner): in sync mode, the expected count makes everyone start together."""
+    grace_steps: float = 5.0
+    """quorum: after K pushes, wait this many median inner-step times for more."""
+    grace_min_s: float = 0.0
+    """quorum: the shortest grace window (also used before any learner reported step times)."""
+    grace_max_s: float = 10.0
+    """quorum: the longest grace window."""
+    weighting: str = ""
+    """equal, tokens or tokens_squared_per_step (default: equal in sync mode, else the last)."""
+    max_staleness: int = 4
+    """quorum/async: refuse a push computed against a version more than this many behind."""
+    async_momentum_every: int = 0
+    """async: Delayed Nesterov applies momentum every N pushes (0: N = live learners)."""
     outer_lr: float = 0.7
     """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
     outer_momentum: float = 0.9
@@ -67,6 +84,16 @@ class AggregatorConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.weighting:
+            self.weighting = "equal" if self.mode == "sync" else "tokens_squared_per_step"
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}"
+            )
+        if not 0 <= self.grace_min_s <= self.grace_max_s:
+            raise ValueError("grace_min_s and grace_max_s must satisfy 0 <= min <= max")
+        if self.grace_steps < 0 or self.max_staleness < 0 or self.async_momentum_every < 0:
+            raise ValueError("grace_steps, max_staleness and async_momentum_every must be >= 0")
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if self.min_contributors < 1:
@@ -95,6 +122,7 @@ class Session:
     step: int = 0
     tokens: int = 0
     loss: float = float("nan")
+    step_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -158,13 +186,27 @@ class Aggregator:
             )
 
     def heartbeat(
-        self, session_id: str, step: int = 0, tokens: int = 0, loss: float = float("nan")
+        self,
+        session_id: str,
+        step: int = 0,
+        tokens: int = 0,
+        loss: float = float("nan"),
+        step_time_s: float = 0.0,
     ) -> tuple[list[int], int]:
         """Renew a lease and record progress; returns (fragment versions, live learners)."""
         with self._cond:
             session = self._session(session_id)
             session.step, session.tokens, session.loss = step, tokens, loss
+            if step_time_s > 0:
+                session.step_time_s = step_time_s
             return [f.version for f in self._fragments], len(self._sessions)
+
+    def tick(self) -> None:
+        """Expire leases and close rounds whose grace window has passed (call it often)."""
+        self.expire_leases()
+        with self._cond:
+            for fragment in self._fragments:
+                self._maybe_close(fragment)
 
     def leave(self, session_id: str) -> None:
         """End a session; open rounds no longer wait for it."""
@@ -220,16 +262,26 @@ class Aggregator:
         base_version: int,
         tensors: list[torch.Tensor],
         tokens: int = 0,
+        inner_steps: int = 0,
     ) -> int:
-        """Add a pseudo-gradient to the fragment's open round; returns the round's version."""
+        """Add a pseudo-gradient to the fragment's open round; returns the version it helps
+        produce (the learner waits for that one)."""
         with self._cond:
             fragment = self._check_header(session_id, fragment_id, base_version, initial=False)
             session = self._sessions[session_id]
             _check_shapes(fragment, tensors)
-            if tokens < 0:
-                raise InvalidArgument(f"tokens must be >= 0, got {tokens}")
-            fragment.add(session.learner_id, tensors, tokens)
+            if tokens < 0 or inner_steps < 0:
+                raise InvalidArgument("tokens and inner_steps must be >= 0")
+            try:
+                weight = contribution_weight(self.config.weighting, tokens, inner_steps)
+            except ValueError as err:
+                raise InvalidArgument(str(err)) from err
+            discount = staleness_discount(fragment.version - base_version)
+            fragment.add(session.learner_id, tensors, tokens, weight, discount)
             rnd = fragment.round
+            if rnd.quorum_since is None and len(rnd.contributors) >= self.config.min_contributors:
+                rnd.quorum_since = self._clock()
+            round_version = fragment.version + 1
             log.info(
                 "learner=%s pushed fragment=%d base=%d contributors=%d/%d",
                 session.learner_id,
@@ -239,7 +291,7 @@ class Aggregator:
                 len(self._sessions),
             )
             self._maybe_close(fragment)
-            return base_version + 1
+            return round_version
 
     def version(self, fragment_id: int) -> int:
         with self._cond:
@@ -281,12 +333,18 @@ class Aggregator:
                 fragment_id=fid,
                 param_indices=indices,
                 shapes=[specs[i].shape for i in indices],
-                outer=NesterovOuter(cfg.outer_lr, cfg.outer_momentum),
+                outer=self._new_outer(),
                 pull_codec=cfg.pull_codec,
                 update_log_versions=cfg.update_log_versions,
             )
             for fid, indices in enumerate(groups)
         ]
+
+    def _new_outer(self) -> NesterovOuter | DelayedNesterov:
+        cfg = self.config
+        if cfg.mode == "async":
+            return DelayedNesterov(cfg.outer_lr, cfg.outer_momentum, cfg.async_momentum_every or 1)
+        return NesterovOuter(cfg.outer_lr, cfg.outer_momentum)
 
     def _check_header(
         self, session_id: str, fragment_id: int, base_version: int, initial: bool
@@ -307,12 +365,19 @@ class Aggregator:
                 f"base_version {base_version} is from the future: fragment {fragment_id} "
                 f"is at version {fragment.version}"
             )
-        if base_version < fragment.version:
+        staleness = fragment.version - base_version
+        if self.config.mode == "sync" and staleness > 0:
             raise FailedPrecondition(
                 f"stale push: base_version {base_version} but fragment {fragment_id} is at "
                 f"version {fragment.version}; pull the new version and push again"
             )
-        if session.learner_id in fragment.round.contributors:
+        if staleness > self.config.max_staleness:
+            raise FailedPrecondition(
+                f"push too stale: base_version {base_version} is {staleness} versions behind "
+                f"fragment {fragment_id} (max_staleness {self.config.max_staleness}); pull and "
+                f"push again"
+            )
+        if self.config.mode == "sync" and session.learner_id in fragment.round.contributors:
             raise AlreadyExists(
                 f"learner {session.learner_id} already pushed for version "
                 f"{fragment.version + 1} of fragment {fragment_id}"
@@ -347,13 +412,11 @@ class Aggregator:
             self._maybe_close(fragment)
 
     def _maybe_close(self, fragment: FragmentState) -> None:
-        """Close the round once every live learner has contributed (sync mode)."""
-        rnd = fragment.round
-        if rnd.delta_sum is None or len(rnd.contributors) < self.config.min_contributors:
+        """Close the round if the mode's rule says so (server/policy.py)."""
+        if not self._round_ready(fragment.round):
             return
-        live = {s.learner_id for s in self._sessions.values()}
-        if not live <= rnd.contributors:
-            return
+        if isinstance(fragment.outer, DelayedNesterov) and not self.config.async_momentum_every:
+            fragment.outer.every = max(1, len(self._sessions))
         summary = fragment.close_round()
         log.info(
             "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
@@ -364,6 +427,23 @@ class Aggregator:
             summary.outer_step_s,
         )
         self._cond.notify_all()
+
+    def _round_ready(self, rnd: Round) -> bool:
+        cfg = self.config
+        if rnd.delta_sum is None:
+            return False
+        if cfg.mode == "async":
+            return True
+        everyone = {s.learner_id for s in self._sessions.values()} <= rnd.contributors
+        if cfg.mode == "sync":
+            return everyone and len(rnd.contributors) >= cfg.min_contributors
+        if everyone:
+            return True
+        if rnd.quorum_since is None:
+            return False
+        step_times = (s.step_time_s for s in self._sessions.values())
+        grace = grace_window_s(step_times, cfg.grace_steps, cfg.grace_min_s, cfg.grace_max_s)
+        return self._clock() >= rnd.quorum_since + grace
 
 
 def _check_shapes(fragment: FragmentState, tensors: Sequence[torch.Tensor]) -> None:

@@ -25,6 +25,8 @@ from server.servicer import AggregatorServicer
 
 log = logging.getLogger("diloco.server")
 
+TICK_S = 0.05
+
 
 @dataclass(kw_only=True)
 class ServerConfig(AggregatorConfig):
@@ -86,6 +88,6 @@ class AggregatorService:
         log.info("stopped")
 
     def _expire_leases(self) -> None:
-        # A quarter lease between checks: a dead learner is dropped within 1.25 leases.
-        while not self._stopping.wait(self.config.lease_s / 4):
-            self.aggregator.expire_leases()
+        # Often enough for grace windows; a dead learner is dropped within a lease and a tick.
+        while not self._stopping.wait(min(self.config.lease_s / 4, TICK_S)):
+            self.aggregator.tick()

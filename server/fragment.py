@@ -19,16 +19,19 @@ import torch
 from common.codec import codec_id, decode, encode
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import encode_fragment, params_crc32
-from server.outer import NesterovOuter
+from server.outer import OuterOptimizer
 
 
 @dataclass
 class Round:
     """Contributions to the next version, summed so memory stays O(model)."""
 
-    delta_sum: list[torch.Tensor] | None = None
+    delta_sum: list[torch.Tensor] | None = None  # Σ weight·discount·Δ
+    weight_sum: float = 0.0  # Σ weight (undiscounted: stale contributions shrink the step)
     contributors: set[str] = field(default_factory=set)
+    pushes: int = 0
     tokens: int = 0
+    quorum_since: float | None = None  # clock time the round first had enough contributors
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class FragmentState:
         fragment_id: int,
         param_indices: list[int],
         shapes: list[tuple[int, ...]],
-        outer: NesterovOuter,
+        outer: OuterOptimizer,
         pull_codec: str,
         update_log_versions: int,
     ) -> None:
@@ -74,30 +77,41 @@ class FragmentState:
         self.params = [t.detach().to(torch.float32).clone() for t in tensors]
         self.version = 0
 
-    def add(self, learner_id: str, tensors: list[torch.Tensor], tokens: int) -> None:
-        rnd = self.round
+    def add(
+        self,
+        learner_id: str,
+        tensors: list[torch.Tensor],
+        tokens: int,
+        weight: float = 1.0,
+        discount: float = 1.0,
+    ) -> None:
+        """Add a pseudo-gradient with its weight and staleness discount to the open round."""
+        rnd, scale = self.round, weight * discount
         if rnd.delta_sum is None:
             rnd.delta_sum = [t.detach().to(torch.float32).clone() for t in tensors]
+            if scale != 1.0:
+                for acc in rnd.delta_sum:
+                    acc.mul_(scale)
         else:
             for acc, t in zip(rnd.delta_sum, tensors, strict=True):
-                acc.add_(t)
+                acc.add_(t, alpha=scale)
+        rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
+        rnd.pushes += 1
         rnd.tokens += tokens
 
     def close_round(self) -> RoundSummary:
         """Average the round's pseudo-gradients and apply one outer step."""
         rnd, started = self.round, time.perf_counter()
         assert rnd.delta_sum is not None and self.params is not None  # caller checked
-        mean = [acc.div_(len(rnd.contributors)) for acc in rnd.delta_sum]
+        mean = [acc.div_(rnd.weight_sum) for acc in rnd.delta_sum]
         if self.pull_codec == pb.CODEC_FP32:
             self.outer.step(self.params, mean)
         else:
             self._apply_quantized(self.outer.update(mean))
         self.version += 1
         self.round = Round()
-        return RoundSummary(
-            self.version, len(rnd.contributors), rnd.tokens, time.perf_counter() - started
-        )
+        return RoundSummary(self.version, rnd.pushes, rnd.tokens, time.perf_counter() - started)
 
     def pull(self, have_version: int) -> PullResult:
         """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""

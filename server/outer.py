@@ -9,8 +9,17 @@ the state explicit and per fragment so it can be saved, restored and sharded.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class OuterOptimizer(Protocol):
+    def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The change to apply to the parameters for these (averaged) pseudo-gradients."""
+
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Apply the change in place (in float32, exactly as the optimizer defines it)."""
 
 
 @dataclass
@@ -46,3 +55,45 @@ class NesterovOuter:
             for buf, g in zip(self.momentum_buffers, grads, strict=True):
                 buf.mul_(self.momentum).add_(g)
         return self.momentum_buffers
+
+
+@dataclass
+class DelayedNesterov:
+    """Delayed Nesterov for asynchronous pushes (Liu et al. 2024, arXiv 2401.09135).
+
+    Every pseudo-gradient g is applied at once as plain SGD, θ ← θ − (lr/N)·g, and summed in
+    a buffer; after every N of them the momentum absorbs the buffer's mean ḡ and only the
+    momentum term is applied, θ ← θ − lr·momentum·m with m ← momentum·m + ḡ. Over N pushes
+    that is exactly one Nesterov step along ḡ, but stale gradients no longer hit the momentum
+    one by one.
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    every: int = 1
+    buffer: list[torch.Tensor] | None = None
+    momentum_buffers: list[torch.Tensor] | None = None
+    pending: int = 0
+
+    def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.buffer is None:
+            self.buffer = [torch.zeros_like(g) for g in grads]
+        for b, g in zip(self.buffer, grads, strict=True):
+            b.add_(g)
+        self.pending += 1
+        updates = [g.mul(-self.lr / self.every) for g in grads]
+        if self.pending >= self.every:
+            mean = [b.div_(self.pending) for b in self.buffer]
+            if self.momentum_buffers is None:
+                self.momentum_buffers = [m.clone() for m in mean]
+            else:
+                for m, g in zip(self.momentum_buffers, mean, strict=True):
+                    m.mul_(self.momentum).add_(g)
+            for u, m in zip(updates, self.momentum_buffers, strict=True):
+                u.add_(m, alpha=-self.lr * self.momentum)
+            self.buffer, self.pending = None, 0
+        return updates
+
+    def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        for p, u in zip(params, self.update(grads), strict=True):
+            p.add_(u)

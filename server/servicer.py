@@ -82,7 +82,12 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             version = agg.initialize(header.session_id, fid, tensors)
         else:
             version = agg.push(
-                header.session_id, fid, header.base_version, tensors, tokens=header.tokens
+                header.session_id,
+                fid,
+                header.base_version,
+                tensors,
+                tokens=header.tokens,
+                inner_steps=header.inner_steps,
             )
         response = pb.PushFragmentResponse(accepted=True, round_version=version)
         self.traffic.count(fid, sent=response.ByteSize())
@@ -109,7 +114,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     @_abort_on_domain_error
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         versions, live = self.aggregator.heartbeat(
-            request.session_id, request.step, request.tokens, request.loss
+            request.session_id, request.step, request.tokens, request.loss, request.step_time_s
         )
         response = pb.HeartbeatResponse(
             server_epoch=self.aggregator.server_epoch,

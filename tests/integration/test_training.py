@@ -120,3 +120,40 @@ def test_a_late_joiner_falls_in_phase_without_deadlock(start_service, start_lear
     late_summary = json.loads((tmp_path / "late.json").read_text())
     assert late_summary["outer_steps"] == 4
     assert all(v >= j + 3 for v, j in zip(late_summary["versions"], joined_at, strict=True))
+
+
+def test_quorum_learners_never_wait_for_a_slow_island(start_service, start_learner, tmp_path):
+    """quorum mode, K = 1: a fast learner keeps going while a 4x slower one lags behind."""
+    service = start_service(lease_s=10.0, mode="quorum", fragments=2, grace_max_s=0.2)
+    flags = ["--n-layer", "2", "--overlap-steps", "1"]
+    fast = start_learner(
+        service.port,
+        "fast",
+        *flags,
+        "--max-outer-steps",
+        "30",
+        "--summary-file",
+        str(tmp_path / "fast.json"),
+    )
+    slow = start_learner(
+        service.port,
+        "slow",
+        *flags,
+        "--max-outer-steps",
+        "100000",
+        "--slowdown",
+        "4",
+        "--summary-file",
+        str(tmp_path / "slow.json"),
+    )
+    assert fast.wait(timeout=120) == 0, learner_log(tmp_path, "fast")
+    slow.send_signal(signal.SIGTERM)
+    assert slow.wait(timeout=60) == 0, learner_log(tmp_path, "slow")
+    fast_summary = json.loads((tmp_path / "fast.json").read_text())
+    slow_summary = json.loads((tmp_path / "slow.json").read_text())
+    assert fast_summary["outer_steps"] == 30
+    assert slow_summary["inner_steps"] < fast_summary["inner_steps"]
+    # The fast learner spent almost no time waiting for rounds (sync mode would make it
+    # wait for the slow one at every merge).
+    assert fast_summary["blocked_on_sync_s"] < 0.2 * fast_summary["compute_s"]
+    assert max(v for _, _, v in service.aggregator.layout()) >= 25

@@ -85,7 +85,7 @@ class EchoTransport:
     def __init__(self, replicas):
         self.replicas, self.log = replicas, []
 
-    def start_sync(self, fragment_id, base_version, payload, tokens):
+    def start_sync(self, fragment_id, base_version, payload, tokens, inner_steps):
         self.log.append(("push", fragment_id, tokens))
         replica = self.replicas[fragment_id]
         deltas = decode_fragment(payload, replica.shapes)
@@ -97,6 +97,11 @@ class EchoTransport:
     def finish_sync(self, handle):
         self.log.append(("merge", handle.version))
         return handle
+
+    def ready(self, handle):
+        return handle.version not in self.late_versions
+
+    late_versions: set = set()
 
 
 def test_streaming_sync_pushes_deltas_and_merges_after_tau() -> None:
@@ -128,3 +133,27 @@ def test_streaming_sync_pushes_deltas_and_merges_after_tau() -> None:
     assert params[0].tolist() == [4.0] * 4 and replicas[0].version == 0
     assert transport.log == [("push", 1, 20), ("merge", 1), ("push", 0, 40)]
     assert sync.stats.syncs == 1 and sync.stats.peak_sync_bytes > 0
+
+
+def test_non_blocking_sync_keeps_training_and_merges_on_arrival() -> None:
+    params = [torch.zeros(2)]
+    replica = FragmentReplica(0, [0], [(2,)])
+    replica.params, replica.version = [torch.zeros(2)], 0
+    transport = EchoTransport([replica])
+    transport.late_versions = {1}  # the first reply is slow
+    sync = StreamingSync(
+        params,
+        [replica],
+        Schedule(2, 1, overlap_steps=1),
+        transport,
+        push_codec="fp32",
+        merge_alpha=0.0,
+        blocking=False,
+    )
+    sync.push_phase(2)  # push at step 2, due after step 3
+    assert sync.merge_phase(3) == [] and sync.in_flight() == [0]  # not back: no wait
+    sync.push_phase(4)  # still out: skipped, not queued behind it
+    assert sync.stats.skipped_pushes == 1
+    transport.late_versions = set()
+    assert sync.merge_phase(5) == [0]  # arrives: merged late
+    assert sync.stats.late_merges == 1 and sync.stats.blocked_s < 0.1

@@ -1,0 +1,142 @@
+"""quorum and async modes: grace window, weighting, staleness; a fake clock, no sleeps."""
+
+import pytest
+import torch
+
+from common.errors import FailedPrecondition, InvalidArgument
+from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.outer import DelayedNesterov, NesterovOuter
+from server.policy import contribution_weight, grace_window_s, staleness_discount
+
+SPECS = [ParamSpec("w", (4,), "float32")]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(n: int, **config):
+    clock = FakeClock()
+    agg = Aggregator(AggregatorConfig(pull_codec="fp32", **config), clock=clock)
+    sessions = [agg.join(f"l{i}", SPECS).session_id for i in range(n)]
+    agg.initialize(sessions[0], 0, [torch.zeros(4)])
+    return agg, sessions, clock
+
+
+def push(agg, session, base, value, tokens=100, steps=10):
+    return agg.push(session, 0, base, [torch.full((4,), float(value))], tokens, steps)
+
+
+def test_quorum_closes_after_the_grace_window_without_the_straggler() -> None:
+    agg, (a, b, c), clock = make(
+        3, mode="quorum", min_contributors=2, grace_steps=5, grace_min_s=0.0, grace_max_s=60.0
+    )
+    for s in (a, b, c):
+        agg.heartbeat(s, step_time_s=0.2)  # grace = 5 * 0.2 s = 1 s
+    push(agg, a, 0, 1.0)
+    agg.tick()
+    assert agg.version(0) == 0  # one push: below K
+    clock.now = 0.5
+    push(agg, b, 0, 1.0)  # K reached at t = 0.5
+    clock.now = 1.4
+    agg.tick()
+    assert agg.version(0) == 0  # still inside the window
+    clock.now = 1.5
+    agg.tick()
+    assert agg.version(0) == 1  # c never pushed; the round did not wait for it
+
+
+def test_quorum_closes_at_once_when_every_live_learner_pushed() -> None:
+    agg, (a, b), _ = make(2, mode="quorum", min_contributors=1, grace_min_s=30.0, grace_max_s=30.0)
+    push(agg, a, 0, 1.0)
+    assert agg.version(0) == 0
+    push(agg, b, 0, 1.0)
+    assert agg.version(0) == 1
+
+
+def test_grace_window_is_bounded_and_uses_the_median() -> None:
+    assert grace_window_s([0.1, 0.2, 10.0], 5, 0.0, 60.0) == pytest.approx(1.0)
+    assert grace_window_s([100.0], 5, 0.0, 7.0) == 7.0
+    assert grace_window_s([0.001], 5, 0.5, 7.0) == 0.5
+    assert grace_window_s([], 5, 0.25, 7.0) == 0.25
+
+
+def test_token_weighting_and_staleness_discount() -> None:
+    assert contribution_weight("tokens_squared_per_step", 400, 4) == 40_000
+    assert contribution_weight("tokens", 400, 4) == 400
+    assert contribution_weight("equal", 0, 0) == 1
+    with pytest.raises(ValueError, match="needs tokens"):
+        contribution_weight("tokens", 0, 4)
+    assert staleness_discount(0) == 1 and staleness_discount(3) == 0.25
+
+
+def test_weighted_mean_drives_the_outer_step() -> None:
+    # Plain SGD outer step (momentum 0, lr 1): the new value is minus the weighted mean.
+    agg, (a, b), _ = make(
+        2,
+        mode="quorum",
+        min_contributors=2,
+        weighting="tokens",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+    )
+    push(agg, a, 0, 1.0, tokens=300)
+    push(agg, b, 0, 5.0, tokens=100)
+    assert agg.params(0)[0].tolist() == [-2.0] * 4  # (300*1 + 100*5) / 400
+
+
+def test_stale_contribution_is_discounted_then_refused_past_the_bound() -> None:
+    agg, (a, b), _ = make(
+        2,
+        mode="quorum",
+        min_contributors=2,
+        weighting="equal",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        max_staleness=2,
+    )
+    push(agg, a, 0, 1.0)
+    push(agg, b, 0, 1.0)
+    assert agg.version(0) == 1 and agg.params(0)[0][0] == -1.0
+    push(agg, a, 1, 2.0)  # fresh
+    push(agg, b, 0, 2.0)  # one version stale: counts half, weight in full
+    assert agg.params(0)[0][0] == -1.0 - (2.0 + 0.5 * 2.0) / 2
+    agg.leave(b)
+    push(agg, a, 2, 0.0)
+    push(agg, a, 3, 0.0)
+    with pytest.raises(FailedPrecondition, match="too stale"):
+        push(agg, a, 1, 9.0)  # 3 behind, bound 2
+    assert agg.version(0) == 4
+
+
+def test_quorum_refuses_pushes_without_tokens_when_weighting_needs_them() -> None:
+    agg, (a,), _ = make(1, mode="quorum")
+    with pytest.raises(InvalidArgument, match="needs tokens"):
+        push(agg, a, 0, 1.0, tokens=0)
+    assert agg.version(0) == 0
+
+
+def test_async_applies_every_push_with_delayed_nesterov() -> None:
+    agg, (a, b), _ = make(2, mode="async", weighting="equal", outer_lr=0.5, outer_momentum=0.9)
+    reference = DelayedNesterov(lr=0.5, momentum=0.9, every=2)
+    expected = [torch.zeros(4)]
+    for i, value in enumerate([1.0, 3.0, -2.0, 0.5]):
+        push(agg, (a, b)[i % 2], i, value)
+        assert agg.version(0) == i + 1  # no waiting for the other learner
+        reference.step(expected, [torch.full((4,), value)])
+        assert torch.equal(agg.params(0)[0], expected[0])
+
+
+def test_delayed_nesterov_over_n_pushes_equals_one_nesterov_step_on_their_mean() -> None:
+    grads = [[torch.tensor([1.0, -2.0])], [torch.tensor([3.0, 0.5])], [torch.tensor([0.0, 1.0])]]
+    delayed, nesterov = DelayedNesterov(0.7, 0.9, every=3), NesterovOuter(0.7, 0.9)
+    p_delayed, p_nesterov = [torch.zeros(2)], [torch.zeros(2)]
+    for _ in range(2):
+        for g in grads:
+            delayed.step(p_delayed, g)
+        nesterov.step(p_nesterov, [sum(g[0] for g in grads) / 3])
+        torch.testing.assert_close(p_delayed[0], p_nesterov[0])
