@@ -23,6 +23,7 @@ import torch
 from common.codec import CODECS
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from common.fragments import LAYOUTS, layout_fragments
+from server.durable import LogRecord, StateStore
 from server.fragment import FragmentState, PullResult, Round
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import (
@@ -68,6 +69,10 @@ class AggregatorConfig:
     """quorum/async: refuse a push computed against a version more than this many behind."""
     async_momentum_every: int = 0
     """async: Delayed Nesterov applies momentum every N pushes (0: N = live learners)."""
+    state_dir: str = ""
+    """Directory for snapshots and the update log; empty keeps state in memory only."""
+    snapshot_every_versions: int = 100
+    """Write a full snapshot (and start a new log) after this many closed rounds."""
     outer_lr: float = 0.7
     """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
     outer_momentum: float = 0.9
@@ -92,6 +97,10 @@ class AggregatorConfig:
             )
         if not 0 <= self.grace_min_s <= self.grace_max_s:
             raise ValueError("grace_min_s and grace_max_s must satisfy 0 <= min <= max")
+        if self.snapshot_every_versions < 1:
+            raise ValueError(
+                f"snapshot_every_versions must be >= 1, got {self.snapshot_every_versions}"
+            )
         if self.grace_steps < 0 or self.max_staleness < 0 or self.async_momentum_every < 0:
             raise ValueError("grace_steps, max_staleness and async_momentum_every must be >= 0")
         if not self.lease_s > 0:
@@ -148,6 +157,17 @@ class Aggregator:
         self._sessions: dict[str, Session] = {}
         self._fingerprint: list[ParamSpec] | None = None
         self._fragments: list[FragmentState] = []
+        self._store = StateStore(config.state_dir) if config.state_dir else None
+        self._rounds_since_snapshot = 0
+        if self._store is not None:
+            self._restore(self._store)
+
+    def checkpoint(self) -> None:
+        """Write a snapshot now (at shutdown, so a restart replays nothing)."""
+        with self._cond:
+            if self._store is not None and self._fingerprint is not None:
+                self._write_snapshot(self._store)
+                self._store.close()
 
     # -- membership ---------------------------------------------------------------------
 
@@ -252,6 +272,8 @@ class Aggregator:
             fragment = self._check_header(session_id, fragment_id, -1, initial=True)
             _check_shapes(fragment, tensors)
             fragment.initialize(tensors)
+            if self._store is not None:
+                self._write_snapshot(self._store)  # durable before anyone can pull it
             self._cond.notify_all()
             return 0
 
@@ -418,6 +440,12 @@ class Aggregator:
         if isinstance(fragment.outer, DelayedNesterov) and not self.config.async_momentum_every:
             fragment.outer.every = max(1, len(self._sessions))
         summary = fragment.close_round()
+        if self._store is not None:  # durable before the lock is released and it is served
+            assert fragment.last_mean is not None
+            self._store.append(LogRecord(fragment.fragment_id, summary.version, fragment.last_mean))
+            self._rounds_since_snapshot += 1
+            if self._rounds_since_snapshot >= self.config.snapshot_every_versions:
+                self._write_snapshot(self._store)
         log.info(
             "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
             fragment.fragment_id,
@@ -427,6 +455,63 @@ class Aggregator:
             summary.outer_step_s,
         )
         self._cond.notify_all()
+
+    def _write_snapshot(self, store: StateStore) -> None:
+        cfg = self.config
+        store.write_snapshot(
+            {
+                "fingerprint": [(p.name, p.shape, p.dtype) for p in self._fingerprint or []],
+                "layout": {
+                    "fragments": cfg.fragments,
+                    "layout": cfg.layout,
+                    "mode": cfg.mode,
+                    "pull_codec": cfg.pull_codec,
+                },
+                "fragments": [f.state_dict() for f in self._fragments],
+            }
+        )
+        self._rounds_since_snapshot = 0
+
+    def _restore(self, store: StateStore) -> None:
+        """Load the snapshot and replay the log (see server/durable.py)."""
+        snapshot, records = store.load()
+        if snapshot is None:
+            if records:
+                raise RuntimeError(f"{store.log_path} has records but there is no snapshot")
+            return
+        cfg = self.config
+        written = snapshot["layout"]
+        ours = {
+            "fragments": cfg.fragments,
+            "layout": cfg.layout,
+            "mode": cfg.mode,
+            "pull_codec": cfg.pull_codec,
+        }
+        if written != ours:
+            raise ValueError(
+                f"state dir {cfg.state_dir} was written with {written}; "
+                f"start the server with the same settings or a new state dir"
+            )
+        self._fingerprint = [
+            ParamSpec(n, tuple(shape), d) for n, shape, d in snapshot["fingerprint"]
+        ]
+        self._fragments = self._new_fragments(self._fingerprint)
+        for fragment, state in zip(self._fragments, snapshot["fragments"], strict=True):
+            fragment.load_state_dict(state)
+        for record in records:
+            fragment = self._fragment(record.fragment_id)
+            if record.version != fragment.version + 1:
+                raise RuntimeError(
+                    f"{store.log_path}: record for fragment {record.fragment_id} version "
+                    f"{record.version} does not follow version {fragment.version}"
+                )
+            fragment.apply_mean(record.mean)
+        log.info(
+            "restored from %s: versions %s (replayed %d records)",
+            cfg.state_dir,
+            [f.version for f in self._fragments],
+            len(records),
+        )
 
     def _round_ready(self, rnd: Round) -> bool:
         cfg = self.config

@@ -78,6 +78,7 @@ class AggregatorService:
     def stop(self, grace_s: float = 2.0) -> None:
         self._stopping.set()
         self._server.stop(grace=grace_s).wait()
+        self.aggregator.checkpoint()
         for fid, counts in self.servicer.traffic.by_fragment().items():
             log.info(
                 "fragment=%d bytes_received=%d bytes_sent=%d",

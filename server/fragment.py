@@ -72,6 +72,7 @@ class FragmentState:
         # (version the update starts from, the quantized update) for the newest versions.
         self._updates: deque[tuple[int, pb.EncodedFragment]] = deque(maxlen=update_log_versions)
         self._snapshot: PullResult | None = None
+        self.last_mean: list[torch.Tensor] | None = None  # of the last round, for the log
 
     def initialize(self, tensors: list[torch.Tensor]) -> None:
         self.params = [t.detach().to(torch.float32).clone() for t in tensors]
@@ -105,13 +106,43 @@ class FragmentState:
         rnd, started = self.round, time.perf_counter()
         assert rnd.delta_sum is not None and self.params is not None  # caller checked
         mean = [acc.div_(rnd.weight_sum) for acc in rnd.delta_sum]
+        self.apply_mean(mean)
+        self.round = Round()
+        self.last_mean = mean
+        return RoundSummary(self.version, rnd.pushes, rnd.tokens, time.perf_counter() - started)
+
+    def apply_mean(self, mean: list[torch.Tensor]) -> None:
+        """One outer step along the round's mean pseudo-gradient; deterministic, so replaying
+        the logged means from a snapshot rebuilds the exact state (server/durable.py)."""
+        if self.params is None:
+            raise RuntimeError(f"fragment {self.fragment_id} has no parameters to update")
         if self.pull_codec == pb.CODEC_FP32:
             self.outer.step(self.params, mean)
         else:
             self._apply_quantized(self.outer.update(mean))
         self.version += 1
-        self.round = Round()
-        return RoundSummary(self.version, rnd.pushes, rnd.tokens, time.perf_counter() - started)
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume this fragment exactly: parameters, version, outer
+        optimizer state, error-feedback residual and the log of quantized updates."""
+        return {
+            "version": self.version,
+            "params": self.params,
+            "outer": dict(vars(self.outer)),
+            "residual": self._residual,
+            "updates": [(start, msg.SerializeToString()) for start, msg in self._updates],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = state["version"]
+        self.params = state["params"]
+        for name, value in state["outer"].items():
+            setattr(self.outer, name, value)
+        self._residual = state["residual"]
+        self._updates.clear()
+        for start, data in state["updates"]:
+            self._updates.append((start, pb.EncodedFragment.FromString(data)))
+        self._snapshot = None
 
     def pull(self, have_version: int) -> PullResult:
         """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""
