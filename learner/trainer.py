@@ -28,6 +28,7 @@ import torch
 
 from common.codec import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.retry import RETRYABLE, Backoff
 from common.wire import encode_fragment, params_crc32
 from learner.client import AggregatorClient
 from learner.data import BatchSampler, load_text_corpus, load_token_file, stdlib_dir
@@ -130,6 +131,7 @@ class Progress:
     fragment_syncs: int = 0
     late_merges: int = 0
     skipped_pushes: int = 0
+    rejoins: int = 0
     stale_pushes: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -166,6 +168,10 @@ class Learner:
         self.lease_s = 10.0  # replaced by the server's value at Join
         self.sync: StreamingSync | None = None
         self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)
+        self.server_epoch = 0
+        self._resync = threading.Event()  # set when the session is gone: join and re-sync
+        self._rejoin_backoff = Backoff()
+        self._next_rejoin_s = 0.0
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -185,7 +191,10 @@ class Learner:
                     break
                 self.step += 1
                 self._inner_step()
-                self._sync_step(self.step)
+                if self._resync.is_set():
+                    self._try_rejoin()  # keeps training while the server is away
+                else:
+                    self._sync_step(self.step)
                 if self.step % cfg.sync_every_steps == 0:
                     self.progress.outer_steps += 1
                     self._record_eval()
@@ -225,24 +234,59 @@ class Learner:
             log.warning(
                 "learner=%s session lost (%s); rejoining", self.config.learner_id, err.details()
             )
+            self._resync.set()
+
+    def _try_rejoin(self) -> None:
+        """Join again and pull snapshots; if the server is still away, try later."""
+        if time.monotonic() < self._next_rejoin_s:
+            return
+        try:
             self._join()
+        except grpc.RpcError as err:
+            if err.code() not in RETRYABLE:
+                raise
+            delay = self._rejoin_backoff.next_delay_s()
+            self._next_rejoin_s = time.monotonic() + delay
+            log.warning(
+                "learner=%s server unreachable (%s); training on, next try in %.1f s",
+                self.config.learner_id,
+                err.code().name,
+                delay,
+            )
+            return
+        self._rejoin_backoff.reset()
+        self._resync.clear()
+        self.progress.rejoins += 1
 
     def _drain(self, last_step: int) -> None:
         """Merge the syncs still in flight after the last step, then take the global values.
 
-        Ends with every local parameter equal to the server's version that this learner saw.
+        Ends with every local parameter equal to the newest server version this learner saw.
+        If the server restarted meanwhile, the in-flight pushes are lost (they were never
+        applied) and the learner re-syncs to the restored state instead.
         """
         assert self.sync is not None
-        self.sync.blocking = True  # the run is over: waiting costs no training
-        self.sync.merge_phase(last_step + self.config.overlap_steps)
+        if not self._resync.is_set():
+            self.sync.blocking = True  # the run is over: waiting costs no training
+            try:
+                self.sync.merge_phase(last_step + self.config.overlap_steps)
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                self._resync.set()
+        if self._resync.is_set():
+            self._join()
+            self.progress.rejoins += 1
         self.sync.load_globals()
 
     # -- protocol steps --------------------------------------------------------------------
 
     def _join(self) -> None:
         cfg = self.config
+        self.transport.abandon_in_flight()  # they belong to the old session, if any
         reply = self.client.join(cfg.learner_id, self.fingerprint)
         self.session_id, self.lease_s = reply.session_id, reply.lease_s
+        self.server_epoch = reply.server_epoch
         log.info(
             "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s",
             cfg.learner_id,
@@ -304,8 +348,16 @@ class Learner:
                 step_time_s=self.progress.compute_s / max(1, self.progress.inner_steps),
             )
             try:
-                self.client.heartbeat(request)
+                reply = self.client.heartbeat(request)
+                if reply.server_epoch != self.server_epoch:
+                    log.warning(
+                        "learner=%s server restarted (new epoch); will re-sync",
+                        self.config.learner_id,
+                    )
+                    self._resync.set()
             except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    self._resync.set()
                 log.warning(
                     "learner=%s heartbeat failed: %s", self.config.learner_id, err.code().name
                 )

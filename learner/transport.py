@@ -8,12 +8,14 @@ result at the merge point (StreamingSync.merge_phase) and only waits if it is no
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.retry import Stopped, call_with_retry
 from learner.client import AggregatorClient
 from learner.streaming import PullReply
 
@@ -23,17 +25,36 @@ PULL_WAIT_S = 20.0
 
 
 class GrpcTransport:
+    """Runs syncs in order on one thread, retrying while the server is unreachable.
+
+    A retry keeps the learner's session and base version; if the server came back with a
+    new epoch the session is unknown (NOT_FOUND), which reaches the training loop, and the
+    learner joins again and pulls snapshots (Learner._join).
+    """
+
     def __init__(self, client: AggregatorClient, session_id: Callable[[], str]) -> None:
         self.client = client
         self.session_id = session_id
         self.stale_pushes = 0
+        self.retries = 0
+        # Set to abandon every sync started so far (at a rejoin, or at close): a new event
+        # for each generation of syncs.
+        self._abandon = threading.Event()
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sync")
 
     def start_sync(
         self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
     ) -> Future[PullReply]:
+        session = self.session_id()  # fixed now: a rejoin later must not adopt this push
         return self._worker.submit(
-            self._sync, fragment_id, base_version, payload, tokens, inner_steps
+            self._sync,
+            self._abandon,
+            session,
+            fragment_id,
+            base_version,
+            payload,
+            tokens,
+            inner_steps,
         )
 
     def finish_sync(self, handle: Future[PullReply]) -> PullReply:
@@ -42,23 +63,57 @@ class GrpcTransport:
     def ready(self, handle: Future[PullReply]) -> bool:
         return handle.done()
 
+    def abandon_in_flight(self) -> None:
+        """Drop every sync started so far (their session is gone); new ones run at once."""
+        self._abandon.set()
+        self._abandon = threading.Event()
+
     def close(self) -> None:
+        self._abandon.set()
         self._worker.shutdown(wait=True, cancel_futures=True)
 
-    def pull(self, fragment_id: int, have_version: int, wait_for_version: int) -> PullReply:
+    def pull(
+        self,
+        fragment_id: int,
+        have_version: int,
+        wait_for_version: int,
+        session: str = "",
+        abandon: threading.Event | None = None,
+    ) -> PullReply:
         """Long-poll until the fragment reaches `wait_for_version`; returns what to apply."""
+        session = session or self.session_id()
+        abandon = abandon or self._abandon
         while True:
-            header, payload = self.client.pull(
-                self.session_id(), fragment_id, have_version, wait_for_version, PULL_WAIT_S
+            header, payload = self._retry(
+                lambda: self.client.pull(
+                    session, fragment_id, have_version, wait_for_version, PULL_WAIT_S
+                ),
+                abandon,
             )
             if header.version >= wait_for_version:
                 return PullReply(header.kind, header.version, payload, header.params_crc32)
 
+    def _retry(self, call, abandon: threading.Event):
+        def note(err: grpc.RpcError, delay_s: float) -> None:
+            self.retries += 1
+            log.warning("server unreachable (%s); retrying in %.1f s", err.code().name, delay_s)
+
+        if abandon.is_set():
+            raise Stopped()
+        return call_with_retry(call, abandon, note)
+
     def _sync(
-        self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
+        self,
+        abandon: threading.Event,
+        session: str,
+        fragment_id: int,
+        base_version: int,
+        payload: bytes,
+        tokens: int,
+        inner_steps: int,
     ) -> PullReply:
         header = pb.PushHeader(
-            session_id=self.session_id(),
+            session_id=session,
             fragment_id=fragment_id,
             base_version=base_version,
             tokens=tokens,
@@ -66,12 +121,15 @@ class GrpcTransport:
             kind=pb.PUSH_KIND_DELTA,
         )
         try:
-            target = self.client.push(header, payload).round_version
+            target = self._retry(lambda: self.client.push(header, payload), abandon).round_version
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.ALREADY_EXISTS:
+                # A retry of a push whose first attempt did arrive: it counts once, as it should.
+                return self.pull(fragment_id, base_version, base_version + 1, session, abandon)
             if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             # Stale: the round closed without us. This update is lost; take the new state.
             self.stale_pushes += 1
             log.warning("fragment=%d push rejected: %s", fragment_id, err.details())
             target = base_version + 1
-        return self.pull(fragment_id, base_version, target)
+        return self.pull(fragment_id, base_version, target, session, abandon)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -20,27 +21,24 @@ FINGERPRINT = [
 ]
 
 
-def start_server(tmp_path: Path, state_dir: Path, name: str) -> tuple[subprocess.Popen, int]:
+def start_server(
+    tmp_path: Path, state_dir: Path, name: str, *flags: str, port: int = 0
+) -> tuple[subprocess.Popen, int]:
     port_file = tmp_path / f"{name}.port"
+    argv = [
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--port-file",
+        str(port_file),
+        "--state-dir",
+        str(state_dir),
+        "--lease-s",
+        "30",
+        *flags,
+    ]
+    log = open(tmp_path / f"{name}.log", "w")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "server.main",
-            "--listen",
-            "127.0.0.1:0",
-            "--port-file",
-            str(port_file),
-            "--state-dir",
-            str(state_dir),
-            "--lease-s",
-            "30",
-            "--pull-codec",
-            "fp32",
-        ],
-        cwd=REPO,
-        stdout=open(tmp_path / f"{name}.log", "w"),
-        stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "server.main", *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
     )
     for _ in range(600):  # bounded: the port file appears once the server serves
         if port_file.exists():
@@ -56,7 +54,7 @@ def start_server(tmp_path: Path, state_dir: Path, name: str) -> tuple[subprocess
 
 def test_kill_9_mid_round_then_restart_loses_no_served_version(tmp_path) -> None:
     state_dir = tmp_path / "state"
-    server, port = start_server(tmp_path, state_dir, "first")
+    server, port = start_server(tmp_path, state_dir, "first", "--pull-codec", "fp32")
     served: dict[int, list[torch.Tensor]] = {}
     try:
         client = AggregatorClient(f"127.0.0.1:{port}")
@@ -82,7 +80,7 @@ def test_kill_9_mid_round_then_restart_loses_no_served_version(tmp_path) -> None
         if server.poll() is None:
             server.kill()
             server.wait()
-    restarted, port2 = start_server(tmp_path, state_dir, "second")
+    restarted, port2 = start_server(tmp_path, state_dir, "second", "--pull-codec", "fp32")
     try:
         client = AggregatorClient(f"127.0.0.1:{port2}")
         client.wait_ready(30)
@@ -99,3 +97,54 @@ def test_kill_9_mid_round_then_restart_loses_no_served_version(tmp_path) -> None
     finally:
         restarted.send_signal(signal.SIGTERM)
         restarted.wait(timeout=30)
+
+
+def wait_for_log(proc: subprocess.Popen, path: Path, text: str, count: int = 1) -> None:
+    """Bounded wait until `text` appears `count` times in a process's log."""
+    for _ in range(1200):
+        if path.read_text().count(text) >= count:
+            return
+        try:
+            proc.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            continue
+        raise AssertionError(f"process exited early:\n{path.read_text()[-3000:]}")
+    raise AssertionError(f"{text!r} did not appear:\n{path.read_text()[-3000:]}")
+
+
+def test_learner_trains_through_a_server_crash_and_resyncs(tmp_path, start_learner) -> None:
+    state_dir = tmp_path / "state"
+    flags = ("--mode", "quorum", "--fragments", "2", "--lease-s", "5")
+    server, port = start_server(tmp_path, state_dir, "first", *flags)
+    learner = start_learner(
+        port,
+        "l0",
+        "--n-layer",
+        "2",
+        "--max-outer-steps",
+        "1000000",
+        "--summary-file",
+        str(tmp_path / "l0.json"),
+    )
+    log_path = tmp_path / "l0.log"
+    try:
+        wait_for_log(learner, log_path, "outer_step=", count=4)
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=10)
+        wait_for_log(learner, log_path, "unreachable")  # training on without the server
+        server, _ = start_server(tmp_path, state_dir, "second", *flags, port=port)
+        wait_for_log(learner, log_path, " joined epoch=", count=2)  # re-synced
+        restored_log = (tmp_path / "second.log").read_text()
+        # Rounds close again on the restarted server.
+        wait_for_log(server, tmp_path / "second.log", " version=", count=6)
+        learner.send_signal(signal.SIGTERM)
+        assert learner.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=30)
+    summary = json.loads((tmp_path / "l0.json").read_text())
+    assert summary["rejoins"] >= 1
+    assert "restored from" in restored_log
+    restored = json.loads(restored_log.split("versions ")[1].split(" (replayed")[0])
+    # Training went on after the restart: the server moved past the restored versions.
+    assert all(v > r for v, r in zip(summary["versions"], restored, strict=True))

@@ -1,0 +1,60 @@
+"""One retry helper for calls that may hit a server that is restarting or cut off.
+
+Capped exponential backoff with full jitter (sleep a random time up to min(cap, base·2^n)),
+so many learners that lost the same server do not come back in lock step.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+T = TypeVar("T")
+
+# The server is down, restarting or unreachable: worth another try. Everything else is an
+# answer (a refusal with a reason) and goes to the caller.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class Stopped(Exception):
+    """The caller asked to stop while the call was being retried."""
+
+
+class Backoff:
+    def __init__(self, base_s: float = 0.2, cap_s: float = 10.0, rng: random.Random | None = None):
+        self.base_s, self.cap_s = base_s, cap_s
+        self.rng = rng or random.Random()
+        self.attempt = 0
+
+    def next_delay_s(self) -> float:
+        ceiling = min(self.cap_s, self.base_s * 2**self.attempt)
+        self.attempt += 1
+        return self.rng.uniform(0, ceiling)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+def call_with_retry(
+    call: Callable[[], T],
+    stop: threading.Event,
+    on_retry: Callable[[grpc.RpcError, float], None] | None = None,
+    backoff: Backoff | None = None,
+) -> T:
+    """Run `call` until it succeeds, fails with a non-retryable status, or `stop` is set."""
+    backoff = backoff or Backoff()
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as err:
+            if err.code() not in RETRYABLE:
+                raise
+            delay = backoff.next_delay_s()
+            if on_retry is not None:
+                on_retry(err, delay)
+            if stop.wait(delay):
+                raise Stopped() from err
