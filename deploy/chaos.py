@@ -83,6 +83,7 @@ class Cluster:
 
     def __init__(self, workdir: Path, learners: int, fragments: int) -> None:
         self.workdir, self.k, self.fragments = workdir, learners, fragments
+        workdir.mkdir(parents=True, exist_ok=True)
         self.port = 0
         self.server: subprocess.Popen | None = None
         self.learners: dict[int, subprocess.Popen] = {}
@@ -236,14 +237,44 @@ def version_regressions(log_text: str) -> int:
     return regressions
 
 
-def last_eval_loss(workdir: Path, learners: int) -> float:
-    """The mean over learners of the last eval loss each logged (of the global model)."""
+def last_eval_loss(workdir: Path, learners: int, before: float = float("inf")) -> float:
+    """Mean over learners of the last eval loss (of the global model) each logged before
+    the wall-clock time `before`."""
     losses = []
     for i in range(learners):
-        found = _VERSIONS.findall((workdir / f"learner-{i}.log").read_text())
-        if found:
-            losses.append(float(found[-1][1]))
+        last = None
+        for line in (workdir / f"learner-{i}.log").read_text().splitlines():
+            match = _VERSIONS.search(line)
+            if match and _stamp(line) <= before:
+                last = float(match.group(2))
+        if last is not None:
+            losses.append(last)
     return sum(losses) / len(losses) if losses else float("nan")
+
+
+def _stamp(line: str) -> float:
+    """Epoch seconds of a log line that starts with logging's asctime, else +inf."""
+    try:
+        date, clock = line.split(" ")[:2]
+        seconds, millis = clock.split(",")
+        return (
+            time.mktime(time.strptime(f"{date} {seconds}", "%Y-%m-%d %H:%M:%S"))
+            + int(millis) / 1000
+        )
+    except ValueError:
+        return float("inf")
+
+
+def time_of_tokens(workdir: Path, tokens: int, fragments: int) -> float:
+    """When the run's closed rounds first carried `tokens` tokens (each counted once)."""
+    total = 0
+    for line in (workdir / "server.log").read_text().splitlines():
+        match = _ROUND.match(line)
+        if match:
+            total += int(match.group(3))
+            if total // fragments >= tokens:
+                return _stamp(line)
+    return float("inf")
 
 
 def round_times_and_tokens(workdir: Path) -> tuple[list[float], int]:
@@ -314,7 +345,9 @@ def evaluate(
     report.capacity_tokens = free_tokens // 2  # what the same learners do without faults
     report.goodput = report.useful_tokens / max(1, report.capacity_tokens)
     report.final_eval_loss = last_eval_loss(faults, args.learners)
-    report.fault_free_eval_loss = last_eval_loss(free, args.learners)
+    # The fault-free run at the point where it had trained the same (useful) tokens.
+    same_tokens_at = time_of_tokens(free, report.useful_tokens, fragments=2)
+    report.fault_free_eval_loss = last_eval_loss(free, args.learners, before=same_tokens_at)
     report.invariants_ok = (
         report.version_regressions == 0
         and not report.dead_processes

@@ -168,6 +168,7 @@ class StreamingSync:
         merge_alpha: float = 0.5,
         tokens_per_step: int = 0,
         blocking: bool = True,
+        start_step: int = 0,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
         Otherwise (quorum, async) keep training and merge on arrival."""
@@ -184,7 +185,8 @@ class StreamingSync:
         self.stats = SyncStats()
         # fragment -> (handle, push bytes, the step after which it is due for merging)
         self._in_flight: dict[int, tuple[Any, int, int]] = {}
-        self._last_push_step = [0] * len(replicas)
+        # Tokens and steps of a push count from here: a (re)joining learner starts mid-schedule.
+        self._last_push_step = [start_step] * len(replicas)
 
     def local(self, replica: FragmentReplica) -> list[torch.Tensor]:
         return [self.params[i] for i in replica.indices]

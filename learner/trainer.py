@@ -318,6 +318,7 @@ class Learner:
             cfg.merge_alpha,
             tokens_per_step=cfg.batch_size * cfg.block_size,
             blocking=reply.mode == "sync",  # quorum and async learners never wait
+            start_step=self.step,
         )
         self.sync.load_globals()
 

@@ -157,3 +157,21 @@ def test_non_blocking_sync_keeps_training_and_merges_on_arrival() -> None:
     transport.late_versions = set()
     assert sync.merge_phase(5) == [0]  # arrives: merged late
     assert sync.stats.late_merges == 1 and sync.stats.blocked_s < 0.1
+
+
+def test_a_learner_starting_mid_schedule_claims_only_its_own_steps() -> None:
+    params = [torch.zeros(2)]
+    replica = FragmentReplica(0, [0], [(2,)])
+    replica.params, replica.version = [torch.zeros(2)], 7
+    transport = EchoTransport([replica])
+    sync = StreamingSync(
+        params,
+        [replica],
+        Schedule(5),
+        transport,
+        push_codec="fp32",
+        tokens_per_step=10,
+        start_step=35,
+    )
+    sync.push_phase(40)
+    assert transport.log == [("push", 0, 50)]  # 5 steps, not 40
