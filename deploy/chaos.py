@@ -34,6 +34,7 @@ from deploy.faultproxy import FaultProxy
 
 BIN = Path(sys.executable).parent
 KINDS = ("learner_kill", "learner_stall", "server_kill", "net_cut")
+QUIET_TAIL_S = 10.0
 MODEL_FLAGS = [
     "--n-layer",
     "2",
@@ -206,7 +207,8 @@ def run(
         next_fault = fault_every_s
         while cluster.now() < duration_s:
             # No fault starts in the last stretch, so every fault is followed by training.
-            quiet_tail = cluster.now() > duration_s - fault_every_s
+            # (long enough to re-sync after a server restart: lease, heartbeat, rejoin backoff).
+            quiet_tail = cluster.now() > duration_s - max(fault_every_s, QUIET_TAIL_S)
             if faults and not quiet_tail and cluster.now() >= next_fault:
                 kind = KINDS[len(events) // 2 % len(KINDS)]  # every kind in turn
                 events += inject(cluster, kind, rng, length_s=rng.uniform(1.0, 4.0))
@@ -238,17 +240,17 @@ def version_regressions(log_text: str) -> int:
 
 
 def last_eval_loss(workdir: Path, learners: int, before: float = float("inf")) -> float:
-    """Mean over learners of the last eval loss (of the global model) each logged before
-    the wall-clock time `before`."""
+    """Mean over learners of their last three eval losses (of the global model) logged
+    before the wall-clock time `before`: one small eval set is noisy, three are steadier."""
     losses = []
     for i in range(learners):
-        last = None
-        for line in (workdir / f"learner-{i}.log").read_text().splitlines():
-            match = _VERSIONS.search(line)
-            if match and _stamp(line) <= before:
-                last = float(match.group(2))
-        if last is not None:
-            losses.append(last)
+        found = [
+            float(match.group(2))
+            for line in (workdir / f"learner-{i}.log").read_text().splitlines()
+            if (match := _VERSIONS.search(line)) and _stamp(line) <= before
+        ]
+        if found:
+            losses.append(sum(found[-3:]) / len(found[-3:]))
     return sum(losses) / len(losses) if losses else float("nan")
 
 
