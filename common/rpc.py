@@ -49,8 +49,12 @@ _RETRY_SERVICE_CONFIG = {
 }
 
 
-def create_server(listen: str, max_workers: int = 32) -> tuple[grpc.Server, int]:
-    """An unstarted gRPC server bound to `listen` (host:port) with the health service."""
+def create_server(listen: str, max_workers: int = 256) -> tuple[grpc.Server, int]:
+    """An unstarted gRPC server bound to `listen` (host:port) with the health service.
+
+    Long-polling pulls each hold a thread while they wait, so the pool is sized for a few
+    hundred learners rather than for CPU cores.
+    """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         options=_SERVER_OPTIONS,

@@ -285,8 +285,9 @@ class Learner:
         cfg = self.config
         self.transport.abandon_in_flight()  # they belong to the old session, if any
         reply = self.client.join(cfg.learner_id, self.fingerprint)
-        self.session_id, self.lease_s = reply.session_id, reply.lease_s
+        # Epoch first: a heartbeat that already uses the new session must see the new epoch.
         self.server_epoch = reply.server_epoch
+        self.session_id, self.lease_s = reply.session_id, reply.lease_s
         log.info(
             "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s",
             cfg.learner_id,
@@ -306,7 +307,8 @@ class Learner:
         for f, replica in zip(reply.fragments, replicas, strict=True):
             if f.version < 0:
                 self._offer_initial_params(replica)
-            replica.apply(self.transport.pull(replica.fragment_id, -1, wait_for_version=0))
+            # No retry loop here: if the server is gone again, _try_rejoin backs off.
+            replica.apply(self.transport.pull(replica.fragment_id, -1, 0, retry=False))
         schedule = Schedule(cfg.sync_every_steps, len(replicas), cfg.overlap_steps)
         self.step = schedule.resume_step([r.version for r in replicas])
         self.sync = StreamingSync(
@@ -348,8 +350,11 @@ class Learner:
                 loss=self.progress.last_loss,
                 step_time_s=self.progress.compute_s / max(1, self.progress.inner_steps),
             )
+            session = request.session_id
             try:
                 reply = self.client.heartbeat(request)
+                if session != self.session_id:
+                    continue  # a rejoin happened meanwhile; this answer is about the old one
                 if reply.server_epoch != self.server_epoch:
                     log.warning(
                         "learner=%s server restarted (new epoch); will re-sync",
@@ -357,7 +362,7 @@ class Learner:
                     )
                     self._resync.set()
             except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND:
+                if err.code() == grpc.StatusCode.NOT_FOUND and session == self.session_id:
                     self._resync.set()
                 log.warning(
                     "learner=%s heartbeat failed: %s", self.config.learner_id, err.code().name

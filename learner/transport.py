@@ -79,17 +79,22 @@ class GrpcTransport:
         wait_for_version: int,
         session: str = "",
         abandon: threading.Event | None = None,
+        retry: bool = True,
     ) -> PullReply:
-        """Long-poll until the fragment reaches `wait_for_version`; returns what to apply."""
+        """Long-poll until the fragment reaches `wait_for_version`; returns what to apply.
+
+        With retry=False an unreachable server raises at once (the caller backs off).
+        """
         session = session or self.session_id()
         abandon = abandon or self._abandon
         while True:
-            header, payload = self._retry(
-                lambda: self.client.pull(
+
+            def call():
+                return self.client.pull(
                     session, fragment_id, have_version, wait_for_version, PULL_WAIT_S
-                ),
-                abandon,
-            )
+                )
+
+            header, payload = self._retry(call, abandon) if retry else call()
             if header.version >= wait_for_version:
                 return PullReply(header.kind, header.version, payload, header.params_crc32)
 

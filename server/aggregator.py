@@ -95,6 +95,7 @@ class Aggregator:
         if not fingerprint:
             raise InvalidArgument("fingerprint must list the model's parameters")
         fingerprint = list(fingerprint)
+        _check_fingerprint(fingerprint)
         with self._cond:
             if self._fingerprint is None:
                 self._fragments = self._new_fragments(fingerprint)
@@ -209,6 +210,7 @@ class Aggregator:
             fragment = self._check_header(session_id, fragment_id, base_version, initial=False)
             session = self._sessions[session_id]
             _check_shapes(fragment, tensors)
+            _check_magnitude(tensors)
             if tokens < 0 or inner_steps < 0:
                 raise InvalidArgument("tokens and inner_steps must be >= 0")
             try:
@@ -217,6 +219,7 @@ class Aggregator:
                 raise InvalidArgument(str(err)) from err
             discount = staleness_discount(fragment.version - base_version)
             fragment.add(session.learner_id, tensors, tokens, weight, discount)
+            fragment.last_push_base[session.learner_id] = base_version
             rnd = fragment.round
             if rnd.quorum_since is None and len(rnd.contributors) >= self.config.min_contributors:
                 rnd.quorum_since = self._clock()
@@ -231,6 +234,10 @@ class Aggregator:
             )
             self._maybe_close(fragment)
             return round_version
+
+    def has_fragment(self, fragment_id: int) -> bool:
+        with self._cond:
+            return 0 <= fragment_id < len(self._fragments)
 
     def version(self, fragment_id: int) -> int:
         with self._cond:
@@ -316,6 +323,11 @@ class Aggregator:
                 f"fragment {fragment_id} (max_staleness {self.config.max_staleness}); pull and "
                 f"push again"
             )
+        if fragment.last_push_base.get(session.learner_id) == base_version:
+            raise AlreadyExists(
+                f"learner {session.learner_id} already pushed fragment {fragment_id} against "
+                f"version {base_version} (a retried push counts once)"
+            )
         if self.config.mode == "sync" and session.learner_id in fragment.round.contributors:
             raise AlreadyExists(
                 f"learner {session.learner_id} already pushed for version "
@@ -359,7 +371,10 @@ class Aggregator:
         summary = fragment.close_round()
         if self._store is not None:  # durable before the lock is released and it is served
             assert fragment.last_mean is not None
-            self._store.append(LogRecord(fragment.fragment_id, summary.version, fragment.last_mean))
+            every = fragment.outer.every if isinstance(fragment.outer, DelayedNesterov) else 0
+            self._store.append(
+                LogRecord(fragment.fragment_id, summary.version, fragment.last_mean, every)
+            )
             self._rounds_since_snapshot += 1
             if self._rounds_since_snapshot >= self.config.snapshot_every_versions:
                 self._write_snapshot(self._store)
@@ -417,11 +432,15 @@ class Aggregator:
             fragment.load_state_dict(state)
         for record in records:
             fragment = self._fragment(record.fragment_id)
+            if record.version <= fragment.version:
+                continue  # a crash between snapshot and log reset: already in the snapshot
             if record.version != fragment.version + 1:
                 raise RuntimeError(
                     f"{store.log_path}: record for fragment {record.fragment_id} version "
                     f"{record.version} does not follow version {fragment.version}"
                 )
+            if isinstance(fragment.outer, DelayedNesterov) and record.outer_every:
+                fragment.outer.every = record.outer_every
             fragment.apply_mean(record.mean)
         log.info(
             "restored from %s: versions %s (replayed %d records)",
@@ -448,6 +467,17 @@ class Aggregator:
         return self._clock() >= rnd.quorum_since + grace
 
 
+# No real pseudo-gradient comes near this; it keeps sums, momentum and the 4-bit encoding of
+# the outer update finite whatever a learner sends.
+MAX_DELTA_ABS = 1e12
+
+
+def _check_magnitude(tensors: Sequence[torch.Tensor]) -> None:
+    for t in tensors:
+        if t.numel() and float(t.abs().max()) > MAX_DELTA_ABS:
+            raise InvalidArgument(f"pseudo-gradient values exceed {MAX_DELTA_ABS:g} in magnitude")
+
+
 def _check_shapes(fragment: FragmentState, tensors: Sequence[torch.Tensor]) -> None:
     shapes = [tuple(t.shape) for t in tensors]
     if shapes != fragment.shapes:
@@ -455,6 +485,22 @@ def _check_shapes(fragment: FragmentState, tensors: Sequence[torch.Tensor]) -> N
             f"fragment {fragment.fragment_id} expects {len(fragment.shapes)} tensors with "
             f"shapes {fragment.shapes}, got {shapes}"
         )
+
+
+MAX_MODEL_VALUES = 1 << 40
+
+
+def _check_fingerprint(specs: Sequence[ParamSpec]) -> None:
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names) or not all(names):
+        raise InvalidArgument("fingerprint parameter names must be unique and non-empty")
+    total = 0
+    for spec in specs:
+        if any(d < 0 for d in spec.shape):
+            raise InvalidArgument(f"parameter {spec.name} has a negative dimension {spec.shape}")
+        total += math.prod(spec.shape)
+    if total > MAX_MODEL_VALUES:
+        raise InvalidArgument(f"fingerprint declares {total} values, more than {MAX_MODEL_VALUES}")
 
 
 def _fingerprint_mismatch(expected: list[ParamSpec], got: list[ParamSpec]) -> str:

@@ -91,4 +91,7 @@ class AggregatorService:
     def _expire_leases(self) -> None:
         # Often enough for grace windows; a dead learner is dropped within a lease and a tick.
         while not self._stopping.wait(min(self.config.lease_s / 4, TICK_S)):
-            self.aggregator.tick()
+            try:
+                self.aggregator.tick()
+            except Exception:  # noqa: BLE001 - leases must keep expiring whatever happened
+                log.exception("tick failed; trying again at the next one")

@@ -38,6 +38,7 @@ class LogRecord:
     fragment_id: int
     version: int  # the version this step produced
     mean: list[torch.Tensor]
+    outer_every: int = 0  # async: Delayed Nesterov's N at this step (it follows membership)
 
 
 class StateStore:
@@ -120,6 +121,8 @@ def _read_records(data: bytes) -> tuple[list[LogRecord], int]:
             fields = torch.load(io.BytesIO(data[start:end]), weights_only=True)
         except Exception:  # noqa: BLE001 - any unreadable payload ends the valid prefix
             break
-        records.append(LogRecord(fields["fragment"], fields["version"], fields["mean"]))
+        records.append(
+            LogRecord(fields["fragment"], fields["version"], fields["mean"], fields.get("every", 0))
+        )
         offset = end
     return records, offset

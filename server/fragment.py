@@ -73,6 +73,8 @@ class FragmentState:
         self._updates: deque[tuple[int, pb.EncodedFragment]] = deque(maxlen=update_log_versions)
         self._snapshot: PullResult | None = None
         self.last_mean: list[torch.Tensor] | None = None  # of the last round, for the log
+        # learner -> base_version of its last accepted push: a retried push counts once.
+        self.last_push_base: dict[str, int] = {}
 
     def initialize(self, tensors: list[torch.Tensor]) -> None:
         self.params = [t.detach().to(torch.float32).clone() for t in tensors]

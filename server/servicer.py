@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Iterator
 
 from common.errors import DilocoError, InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
-from common.traffic import Traffic
+from common.traffic import NO_FRAGMENT, Traffic
 from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
 from server.aggregator import Aggregator, ParamSpec
 
@@ -67,7 +68,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             raise InvalidArgument("a push must start with a header message")
         header = first.header
         fid = header.fragment_id
-        self.traffic.count(fid, received=first.ByteSize())
+        self.traffic.count(self._traffic_key(fid), received=first.ByteSize())
         agg = self.aggregator
         if header.kind not in (pb.PUSH_KIND_DELTA, pb.PUSH_KIND_INITIAL):
             raise InvalidArgument(f"unknown push kind {header.kind}")
@@ -96,10 +97,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     @_abort_on_domain_error
     def PullParams(self, request: pb.PullParamsRequest, context):
         agg, fid = self.aggregator, request.fragment_id
-        self.traffic.count(fid, received=request.ByteSize())
+        self.traffic.count(self._traffic_key(fid), received=request.ByteSize())
         agg.heartbeat(request.session_id)  # authenticates the session and renews its lease
         if request.wait_for_version > agg.version(fid):
-            wait_s = min(max(request.wait_timeout_s, 0.0), MAX_PULL_WAIT_S)
+            asked = request.wait_timeout_s
+            wait_s = min(max(asked, 0.0), MAX_PULL_WAIT_S) if math.isfinite(asked) else 0.0
             agg.wait_for_version(fid, request.wait_for_version, wait_s)
         result = agg.pull(request.session_id, fid, request.have_version)
         header = pb.PullHeader(
@@ -129,6 +131,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.aggregator.leave(request.session_id)
         self.traffic.count(received=request.ByteSize())
         return pb.LeaveResponse()
+
+    def _traffic_key(self, fragment_id: int) -> int:
+        """The fragment to count bytes under; unknown ids share one key (bounded labels)."""
+        return fragment_id if self.aggregator.has_fragment(fragment_id) else NO_FRAGMENT
 
     def _chunk_of(self, msg: pb.PushFragmentRequest, fragment_id: int) -> bytes:
         if not msg.HasField("chunk"):

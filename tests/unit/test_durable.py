@@ -85,3 +85,18 @@ def test_state_dir_refuses_other_settings(tmp_path) -> None:
     agg.initialize(s, 0, [torch.ones(8, 4)])
     with pytest.raises(ValueError, match="was written with"):
         Aggregator(AggregatorConfig(state_dir=str(tmp_path), fragments=1))
+
+
+def test_crash_between_snapshot_and_log_reset_replays_nothing_twice(tmp_path) -> None:
+    agg, s = start(tmp_path)
+    agg.initialize(s, 0, [torch.ones(8, 4)])
+    agg.initialize(s, 1, [torch.ones(40)])
+    run_rounds(agg, s, range(3))
+    log_path = StateStore(tmp_path).log_path
+    old_log = log_path.read_bytes()
+    agg.checkpoint()  # snapshot at versions (3, 3) ...
+    log_path.write_bytes(old_log)  # ... but the crash came before the log was emptied
+    restarted, _ = start(tmp_path)
+    assert [restarted.version(0), restarted.version(1)] == [3, 3]
+    for a, b in zip(state(agg), state(restarted), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from common.errors import FailedPrecondition, InvalidArgument
+from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s, staleness_discount
@@ -90,8 +90,8 @@ def test_weighted_mean_drives_the_outer_step() -> None:
 
 
 def test_stale_contribution_is_discounted_then_refused_past_the_bound() -> None:
-    agg, (a, b), _ = make(
-        2,
+    agg, (a, b, c), _ = make(
+        3,
         mode="quorum",
         min_contributors=2,
         weighting="equal",
@@ -100,17 +100,38 @@ def test_stale_contribution_is_discounted_then_refused_past_the_bound() -> None:
         max_staleness=2,
     )
     push(agg, a, 0, 1.0)
-    push(agg, b, 0, 1.0)
+    push(agg, b, 0, 1.0)  # K = 2 reached, no step times reported: no grace, closes
     assert agg.version(0) == 1 and agg.params(0)[0][0] == -1.0
     push(agg, a, 1, 2.0)  # fresh
-    push(agg, b, 0, 2.0)  # one version stale: counts half, weight in full
+    push(agg, c, 0, 2.0)  # c missed version 1: one stale, counts half, weight in full
     assert agg.params(0)[0][0] == -1.0 - (2.0 + 0.5 * 2.0) / 2
     agg.leave(b)
+    agg.leave(c)
     push(agg, a, 2, 0.0)
     push(agg, a, 3, 0.0)
     with pytest.raises(FailedPrecondition, match="too stale"):
         push(agg, a, 1, 9.0)  # 3 behind, bound 2
     assert agg.version(0) == 4
+
+
+def test_a_retried_push_counts_once() -> None:
+    agg, (a, b), _ = make(2, mode="quorum", min_contributors=2, weighting="equal")
+    push(agg, a, 0, 1.0)
+    with pytest.raises(AlreadyExists, match="counts once"):
+        push(agg, a, 0, 1.0)  # the same push again, e.g. retried after a lost reply
+    push(agg, b, 0, 1.0)
+    assert agg.version(0) == 1
+
+
+def test_huge_or_malformed_input_is_refused_before_it_touches_state() -> None:
+    agg, (a,), _ = make(1, mode="async", weighting="equal")
+    with pytest.raises(InvalidArgument, match="exceed"):
+        push(agg, a, 0, 3e38)
+    assert agg.version(0) == 0 and agg.params(0)[0].tolist() == [0.0] * 4
+    with pytest.raises(InvalidArgument, match="negative dimension"):
+        agg.join("x", [ParamSpec("w", (-4,), "float32")])
+    with pytest.raises(InvalidArgument, match="more than"):
+        agg.join("x", [ParamSpec("w", (1 << 21, 1 << 21), "float32")])
 
 
 def test_quorum_refuses_pushes_without_tokens_when_weighting_needs_them() -> None:
