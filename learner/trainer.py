@@ -28,7 +28,7 @@ import torch
 
 from common.codec import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.retry import RETRYABLE, Backoff
+from common.retry import RETRYABLE, Backoff, Stopped
 from common.wire import encode_fragment, params_crc32
 from learner.client import AggregatorClient
 from learner.data import BatchSampler, load_text_corpus, load_token_file, stdlib_dir
@@ -179,6 +179,7 @@ class Learner:
         """Train until max_outer_steps, duration_s or `stop`; always leaves and closes."""
         cfg, started = self.config, time.monotonic()
         heartbeat_stop = threading.Event()
+        self.transport.stop_requested = stop
         try:
             self.client.wait_ready(cfg.connect_timeout_s)
             self._join()
@@ -194,7 +195,10 @@ class Learner:
                 if self._resync.is_set():
                     self._try_rejoin()  # keeps training while the server is away
                 else:
-                    self._sync_step(self.step)
+                    try:
+                        self._sync_step(self.step)
+                    except Stopped:
+                        break  # asked to stop while waiting at a merge
                 if self.step % cfg.sync_every_steps == 0:
                     self.progress.outer_steps += 1
                     self._record_eval()

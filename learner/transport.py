@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
@@ -40,6 +41,7 @@ class GrpcTransport:
         # Set to abandon every sync started so far (at a rejoin, or at close): a new event
         # for each generation of syncs.
         self._abandon = threading.Event()
+        self.stop_requested = threading.Event()  # the learner's stop (Learner.run sets it)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sync")
 
     def start_sync(
@@ -58,7 +60,14 @@ class GrpcTransport:
         )
 
     def finish_sync(self, handle: Future[PullReply]) -> PullReply:
-        return handle.result()
+        """Wait for the sync; raises Stopped if the learner is asked to stop meanwhile (a
+        learner waiting at a merge must still answer SIGTERM)."""
+        while True:
+            try:
+                return handle.result(timeout=0.2)
+            except FutureTimeout:
+                if self.stop_requested.is_set():
+                    raise Stopped() from None
 
     def ready(self, handle: Future[PullReply]) -> bool:
         return handle.done()

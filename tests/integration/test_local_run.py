@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -9,7 +11,7 @@ from tests.integration.conftest import REPO, TINY_LEARNER_FLAGS
 
 
 def test_local_run_trains_and_summarises(tmp_path) -> None:
-    result = subprocess.run(
+    proc = subprocess.Popen(
         [
             sys.executable,
             "deploy/local_run.py",
@@ -27,12 +29,19 @@ def test_local_run_trains_and_summarises(tmp_path) -> None:
             "2",
         ],
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=180,
+        start_new_session=True,  # so a timeout can stop the launcher's children too
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    table = result.stdout.split("eval loss first -> last")[1].strip().splitlines()
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, stdout + stderr
+    table = stdout.split("eval loss first -> last")[1].strip().splitlines()
     assert [line.split()[0] for line in table] == ["learner-0", "learner-1"]
     server_log = (tmp_path / "server.log").read_text()
     assert "fragment=1 version=" in server_log  # Streaming DiLoCo: two fragments by default
