@@ -59,15 +59,12 @@ def variants(h_values: list[int], fragments: int, tuning_h: int, tune: bool) -> 
         default = next(v for v in out if v.name == f"(d) Streaming fp4+overlap H={tuning_h}")
         out += [
             replace(default, name=f"(d) H={tuning_h} outer lr 1.0", outer_lr=1.0),
-            replace(default, name=f"(d) H={tuning_h} DP warm start 10%", warm_start_steps=-1),
+            replace(default, name=f"(d) H={tuning_h} DP warm start 10%", warm_start_fraction=0.1),
         ]
     return out
 
 
 def run_all(setup: Setup, todo: list[Variant], workers: int) -> list[Result]:
-    for v in todo:
-        if v.warm_start_steps == -1:
-            v.warm_start_steps = setup.steps // 10
     threads = max(1, 2 // workers)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:

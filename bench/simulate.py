@@ -61,7 +61,7 @@ class Variant:
     pull_codec: str = "fp32"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    warm_start_steps: int = 0  # data-parallel steps before the learners split (DiLoCo paper)
+    warm_start_fraction: float = 0.0  # of the steps, data-parallel before the learners split
 
 
 @dataclass
@@ -160,10 +160,11 @@ def _run_data_parallel(setup, variant, model, train, eval_batches) -> Result:
 
 def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
     k = setup.learners
+    warm_steps = int(setup.steps * variant.warm_start_fraction)
     warm_cost = Result({}, 0.0)
-    if variant.warm_start_steps:
+    if warm_steps:
         # A short data-parallel start, as DiLoCo starts from a partly trained model.
-        warm = Setup(**{**asdict(setup), "steps": variant.warm_start_steps})
+        warm = Setup(**{**asdict(setup), "steps": warm_steps})
         warm_variant = Variant(name="warm", kind="dp")
         warm_cost = _run_data_parallel(warm, warm_variant, model, train, eval_batches)
     specs = [ParamSpec(n, tuple(p.shape), "float32") for n, p in model.named_parameters()]
@@ -218,7 +219,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
         return evaluate(eval_model, eval_batches)
 
     tokens_per_step = setup.batch_size * k * setup.block_size
-    warm = variant.warm_start_steps  # these steps' tokens are already spent
+    warm = warm_steps  # these steps' tokens are already spent
     curve = [(warm * tokens_per_step, global_loss())]
     local_steps = setup.steps - warm
     for t in range(1, local_steps + 1):

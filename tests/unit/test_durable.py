@@ -20,6 +20,11 @@ def start(state_dir, **config) -> tuple[Aggregator, str]:
     return agg, agg.join("l0", SPECS).session_id
 
 
+def initialize_both(agg: Aggregator, session: str) -> None:
+    agg.initialize(session, 0, [torch.ones(8, 4)])
+    agg.initialize(session, 1, [torch.ones(40)])
+
+
 def run_rounds(agg: Aggregator, session: str, rounds: range) -> None:
     for r in rounds:
         for fid, tensors in enumerate(delta(r)):
@@ -35,8 +40,7 @@ def state(agg: Aggregator) -> list[list[torch.Tensor]]:
 def test_restart_resumes_exactly_where_it_stopped(tmp_path, pull_codec, snapshot_every) -> None:
     config = {"pull_codec": pull_codec, "snapshot_every_versions": snapshot_every}
     agg, s = start(tmp_path, **config)
-    agg.initialize(s, 0, [torch.ones(8, 4)])
-    agg.initialize(s, 1, [torch.ones(40)])
+    initialize_both(agg, s)
     run_rounds(agg, s, range(7))
     # No checkpoint(): as if killed. A new server on the same directory ...
     restarted, s2 = start(tmp_path, **config)
@@ -54,8 +58,7 @@ def test_restart_resumes_exactly_where_it_stopped(tmp_path, pull_codec, snapshot
 
 def test_torn_tail_is_dropped_and_the_log_truncated(tmp_path, caplog) -> None:
     agg, s = start(tmp_path)
-    agg.initialize(s, 0, [torch.ones(8, 4)])
-    agg.initialize(s, 1, [torch.ones(40)])
+    initialize_both(agg, s)
     run_rounds(agg, s, range(3))  # 6 records
     log_path = StateStore(tmp_path).log_path
     data = log_path.read_bytes()
@@ -68,8 +71,7 @@ def test_torn_tail_is_dropped_and_the_log_truncated(tmp_path, caplog) -> None:
 
 def test_corrupt_record_ends_the_replay(tmp_path) -> None:
     agg, s = start(tmp_path)
-    agg.initialize(s, 0, [torch.ones(8, 4)])
-    agg.initialize(s, 1, [torch.ones(40)])
+    initialize_both(agg, s)
     run_rounds(agg, s, range(3))
     log_path = StateStore(tmp_path).log_path
     data = bytearray(log_path.read_bytes())
@@ -89,8 +91,7 @@ def test_state_dir_refuses_other_settings(tmp_path) -> None:
 
 def test_crash_between_snapshot_and_log_reset_replays_nothing_twice(tmp_path) -> None:
     agg, s = start(tmp_path)
-    agg.initialize(s, 0, [torch.ones(8, 4)])
-    agg.initialize(s, 1, [torch.ones(40)])
+    initialize_both(agg, s)
     run_rounds(agg, s, range(3))
     log_path = StateStore(tmp_path).log_path
     old_log = log_path.read_bytes()
