@@ -24,6 +24,10 @@ that nothing decodes to infinity.
 Rounding: to the nearest grid value with ties to the even code (default), or stochastic
 (unbiased: rounds up with probability proportional to the distance from the lower value).
 Non-finite inputs are refused, never encoded.
+
+Devices: the 4-bit arithmetic runs where the tensor lives (a CUDA tensor is quantized on the
+GPU and only the packed bytes cross to the host); `decode(..., device="cuda")` unpacks there.
+The result is bit-identical on every device (bench/cuda_check.py checks it on a GPU).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ E8M0_NAN = 255
 MIN_SCALE_EXP = -127  # the smallest E8M0 scale; 2^-127 is a float32 subnormal, still exact
 
 F32_MAX = float(torch.finfo(torch.float32).max)
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 # Magnitudes of the 8 non-negative codes of each 4-bit format, ascending.
 FP4_GRIDS = {
@@ -88,18 +93,21 @@ def encode(
     `rounding` applies to the 4-bit codecs; "stochastic" draws from `generator`.
     """
     codec = codec_id(codec) if isinstance(codec, str) else codec
-    flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32)
+    flat = tensor.detach().reshape(-1).to(torch.float32)
     if not bool(torch.isfinite(flat).all()):
         raise ValueError("cannot encode a tensor with NaN or infinite values")
     if codec == pb.CODEC_FP32:
-        payload, scales = flat.numpy().tobytes(), b""
+        payload, scales = _host_bytes(flat), b""
     elif codec == pb.CODEC_BF16:
+        # Saturate: float32 values above bfloat16's largest would round to infinity.
+        rounded = flat.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16)
         # bfloat16 has no numpy dtype: reinterpret the rounded bits as int16 to serialize.
-        payload, scales = flat.to(torch.bfloat16).view(torch.int16).numpy().tobytes(), b""
+        payload, scales = _host_bytes(rounded.view(torch.int16)), b""
     elif codec in FP4_GRIDS:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
-        payload, scales = _encode_fp4(flat, FP4_GRIDS[codec], rounding == "stochastic", generator)
+        packed, scale_bytes = quantize_fp4(flat, codec, rounding == "stochastic", generator)
+        payload, scales = _host_bytes(packed), _host_bytes(scale_bytes)
     else:
         raise ValueError(f"unknown codec {codec}")
     return pb.EncodedTensor(
@@ -111,8 +119,16 @@ def encode(
     )
 
 
-def decode(msg: pb.EncodedTensor, expected_shape: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Decode to float32 after checking codec, shape, lengths, checksum and scales.
+def _host_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.cpu().numpy().tobytes()
+
+
+def decode(
+    msg: pb.EncodedTensor,
+    expected_shape: tuple[int, ...] | None = None,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """Decode to float32 on `device` after checking codec, shape, lengths, checksum and scales.
 
     Raises InvalidArgument (nothing allocated in proportion to the claimed size) when any
     field is inconsistent, so a decoder fed garbage fails cleanly.
@@ -132,13 +148,15 @@ def decode(msg: pb.EncodedTensor, expected_shape: tuple[int, ...] | None = None)
     if zlib.crc32(msg.scales, zlib.crc32(msg.payload)) != msg.crc32:
         raise InvalidArgument("tensor checksum mismatch")
     if numel == 0:
-        return torch.zeros(shape, dtype=torch.float32)
+        return torch.zeros(shape, dtype=torch.float32, device=device)
     if msg.codec == pb.CODEC_FP32:
-        flat = torch.frombuffer(bytearray(msg.payload), dtype=torch.float32)
+        flat = torch.frombuffer(bytearray(msg.payload), dtype=torch.float32).to(device)
     elif msg.codec == pb.CODEC_BF16:
-        flat = torch.frombuffer(bytearray(msg.payload), dtype=torch.bfloat16).float()
+        flat = torch.frombuffer(bytearray(msg.payload), dtype=torch.bfloat16).to(device).float()
     else:
-        flat = _decode_fp4(msg.payload, msg.scales, numel, FP4_GRIDS[msg.codec])
+        packed = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8).to(device)
+        scales = torch.frombuffer(bytearray(msg.scales), dtype=torch.uint8).to(device)
+        flat = dequantize_fp4(packed, scales, numel, msg.codec)
     if not bool(torch.isfinite(flat).all()):
         raise InvalidArgument("tensor holds NaN or infinite values")
     return flat.reshape(shape)
@@ -160,12 +178,18 @@ def _block_scale_exponents(blocks: torch.Tensor, top: float) -> torch.Tensor:
     return exps.clamp(MIN_SCALE_EXP, E8M0_NAN - 1 - E8M0_BIAS)
 
 
-def _encode_fp4(
-    flat: torch.Tensor, grid: torch.Tensor, stochastic: bool, generator: torch.Generator | None
-) -> tuple[bytes, bytes]:
+def quantize_fp4(
+    flat: torch.Tensor,
+    codec: int = pb.CODEC_FP4_E2M1,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes and E8M0 scale bytes (uint8 tensors on flat's device) of a finite
+    1-D float32 tensor; the wire bytes of `encode` are exactly these."""
+    grid = FP4_GRIDS[codec].to(flat.device)
     numel = flat.numel()
     n_blocks = (numel + FP4_BLOCK - 1) // FP4_BLOCK
-    padded = torch.zeros(n_blocks * FP4_BLOCK, dtype=torch.float32)
+    padded = torch.zeros(n_blocks * FP4_BLOCK, dtype=torch.float32, device=flat.device)
     padded[:numel] = flat
     blocks = padded.view(n_blocks, FP4_BLOCK)
     exps = _block_scale_exponents(blocks, float(grid[-1]))
@@ -176,8 +200,11 @@ def _encode_fp4(
         below = (torch.bucketize(scaled, grid, right=True) - 1).clamp(0, len(grid) - 2)
         low, high = grid[below], grid[below + 1]
         p_up = ((scaled - low) / (high - low)).clamp(0, 1)
-        draw = torch.rand(scaled.shape, generator=generator)
-        codes = below + (draw < p_up).long()
+        # Drawn on the generator's device (the CPU unless given a CUDA one), so a seed gives
+        # the same codes wherever the tensor lives.
+        draw_device = generator.device if generator is not None else flat.device
+        draw = torch.rand(scaled.shape, generator=generator, device=draw_device)
+        codes = below + (draw.to(flat.device) < p_up).long()
     else:
         midpoints = (grid[1:] + grid[:-1]) / 2
         lower = torch.bucketize(scaled, midpoints, right=False)
@@ -185,21 +212,22 @@ def _encode_fp4(
         # lower != upper exactly at a midpoint: ties go to the even code.
         codes = torch.where(lower % 2 == 0, lower, upper)
     # Near float32's maximum, rounding up could decode to infinity: cap the code instead.
-    headroom = F32_MAX / torch.ldexp(torch.ones(n_blocks, dtype=torch.float64), exps.double())
+    headroom = F32_MAX / torch.ldexp(torch.ones_like(exps, dtype=torch.float64), exps.double())
     top_code = torch.bucketize(headroom, grid.double(), right=True) - 1
     codes = torch.minimum(codes, top_code.repeat_interleave(FP4_BLOCK)).to(torch.uint8)
     codes |= (padded < 0).to(torch.uint8) << 3
     codes = codes[: numel + (numel % 2)]  # drop block padding but keep an even count
     packed = codes[0::2] | (codes[1::2] << 4)
-    scales = (exps + E8M0_BIAS).to(torch.uint8)
-    return packed.numpy().tobytes(), scales.numpy().tobytes()
+    return packed, (exps + E8M0_BIAS).to(torch.uint8)
 
 
-def _decode_fp4(payload: bytes, scales: bytes, numel: int, grid: torch.Tensor) -> torch.Tensor:
-    scale_bytes = torch.frombuffer(bytearray(scales), dtype=torch.uint8)
+def dequantize_fp4(
+    packed: torch.Tensor, scale_bytes: torch.Tensor, numel: int, codec: int = pb.CODEC_FP4_E2M1
+) -> torch.Tensor:
+    """The float32 values (on packed's device) of `numel` packed codes with their scales."""
     if bool((scale_bytes == E8M0_NAN).any()):
         raise InvalidArgument("FP4 block scale is NaN (E8M0 byte 255)")
-    packed = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    grid = FP4_GRIDS[codec].to(packed.device)
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel].long()
     magnitudes = grid[codes & 0x7]
     values = torch.where(codes >= 8, -magnitudes, magnitudes)

@@ -18,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-BIN = Path(sys.executable).parent
+# `python -m` rather than the console scripts: works from a checkout that is not installed.
+SERVER = [sys.executable, "-m", "server.main"]
+LEARNER = [sys.executable, "-m", "learner.main"]
 
 
 def wait_for_port(port_file: Path, server: subprocess.Popen, timeout_s: float) -> int:
@@ -59,7 +61,7 @@ def main() -> int:
     server_log = open(workdir / "server.log", "w")
     server = subprocess.Popen(
         [
-            BIN / "diloco-server",
+            *SERVER,
             "--listen",
             "127.0.0.1:0",
             "--port-file",
@@ -84,7 +86,7 @@ def main() -> int:
                 "--summary-file": workdir / f"learner-{i}.json",
             }
             argv = [str(x) for pair in flags.items() for x in pair]
-            learners.append(subprocess.Popen([BIN / "diloco-learner", *argv, *extra]))
+            learners.append(subprocess.Popen([*LEARNER, *argv, *extra]))
         codes = [p.wait() for p in learners]
     finally:
         for proc in [*learners, server]:

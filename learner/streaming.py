@@ -202,7 +202,11 @@ class StreamingSync:
             replica = self.replicas[p]
             with torch.no_grad():
                 local = self.local(replica)
-                deltas = [g - x.detach().cpu() for g, x in zip(replica.params, local, strict=True)]
+                # On the parameters' device: a GPU learner quantizes there and only the packed
+                # bytes cross to the host (same bytes as on the CPU: IEEE subtraction is exact).
+                deltas = [
+                    g.to(x.device) - x.detach() for g, x in zip(replica.params, local, strict=True)
+                ]
             payload = encode_fragment(deltas, self.push_codec)
             steps = step - self._last_push_step[p]
             self._last_push_step[p] = step

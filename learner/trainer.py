@@ -71,6 +71,9 @@ class LearnerConfig(GPTConfig):
     """Validation batches evaluated after every outer step."""
     seed: int = 0
     """Seed of the model initialisation; the data order also mixes in the learner id."""
+    device: str = "auto"
+    """Where the model trains: `auto` (CUDA if available, else CPU), `cpu`, `cuda` or `cuda:N`.
+    Replicas of the global fragments stay on the CPU either way."""
     torch_threads: int = 0
     """Threads for torch (0: the CPU count divided by --learners-per-host)."""
     slowdown: float = 1.0
@@ -111,6 +114,7 @@ class LearnerConfig(GPTConfig):
             raise ValueError(f"server must be host:port, got {self.server!r}")
         if not self.learner_id:
             self.learner_id = f"{os.uname().nodename}-{os.getpid()}"
+        resolve_device(self.device)  # fails here, in one sentence, for a bad or absent device
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)})
@@ -146,7 +150,9 @@ class Learner:
         threads = config.torch_threads or max(1, (os.cpu_count() or 1) // config.learners_per_host)
         torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
-        self.model = GPT(config.model_config())
+        self.device = resolve_device(config.device)
+        # Initialised on the CPU, then moved: the same seed gives the same model anywhere.
+        self.model = GPT(config.model_config()).to(self.device)
         self.eval_model = copy.deepcopy(self.model)  # holds the global parameters for eval
         self.params = [p for _, p in self.model.named_parameters()]
         self.fingerprint = [
@@ -215,7 +221,7 @@ class Learner:
     def _inner_step(self) -> None:
         t0 = time.perf_counter()
         self.model.train()
-        x, y = self.batches.next()
+        x, y = (t.to(self.device) for t in self.batches.next())
         _, loss = self.model(x, y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -389,7 +395,10 @@ class Learner:
                 for i, g in zip(replica.indices, replica.params, strict=True):
                     eval_params[i].copy_(g)
             self.eval_model.eval()
-            losses = [self.eval_model(x, y)[1].item() for x, y in self.eval_set]
+            losses = [
+                self.eval_model(x.to(self.device), y.to(self.device))[1].item()
+                for x, y in self.eval_set
+            ]
         loss = sum(losses) / len(losses)
         self.progress.eval_losses.append(loss)
         p = self.progress
@@ -422,6 +431,26 @@ class Learner:
 
     def save_params(self, path: str) -> None:
         torch.save({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}, path)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for a --device value; raises ValueError for one this host lacks."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}") from err
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} requested but this host has no usable CUDA GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {name!r} requested but this host has {torch.cuda.device_count()} GPU(s)"
+            )
+    return device
 
 
 def _load_corpus(config: LearnerConfig) -> tuple[torch.Tensor, torch.Tensor]:

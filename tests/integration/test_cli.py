@@ -30,6 +30,7 @@ def run(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedPro
         ("learner.main", ["--push-codec", "fp5"], "push_codec must be one of"),
         ("learner.main", ["--n-embd", "30", "--n-head", "4"], "n_embd (30) must be divisible"),
         ("learner.main", ["--corpus", "/no/such/folder"], "corpus folder /no/such/folder"),
+        ("learner.main", ["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
     ],
 )
 def test_bad_flags_give_one_clear_error(module: str, args: list[str], message: str) -> None:
