@@ -16,7 +16,8 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick
+.PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick \
+	compose-smoke wan-sim
 
 install: $(STAMP)
 
@@ -41,6 +42,14 @@ bench-quality: $(BENCH_STAMP)
 
 bench-quality-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/quality.py --quick
+
+# Needs a Docker engine and docker-compose (see deploy/compose_smoke.py); not run in CI.
+compose-smoke: $(STAMP)
+	$(BIN)/python deploy/compose_smoke.py
+
+# Needs root (network namespaces, tc); writes bench/results/wan.json.
+wan-sim: $(STAMP)
+	$(BIN)/python deploy/wan_sim.py
 
 proto: $(STAMP)
 	$(BIN)/python -m common.protogen

@@ -19,6 +19,8 @@ import threading
 import grpc
 
 from common.config import add_config_flags, config_from_args
+from common.metrics_http import serve_metrics
+from learner.metrics import learner_registry
 from learner.trainer import Learner, LearnerConfig
 
 
@@ -32,8 +34,12 @@ def main() -> None:
         signal.signal(signum, lambda *_: stop.set())
     try:
         learner = Learner(config)
-    except ValueError as err:  # e.g. a corpus that does not exist
-        parser.error(str(err))
+        if config.metrics_listen:
+            registry = learner_registry(learner)
+            port = serve_metrics(config.metrics_listen, registry, config.metrics_port_file)
+            logging.getLogger("diloco.learner").info("metrics on port %d at /metrics", port)
+    except (ValueError, OSError) as err:  # e.g. a missing corpus, a metrics port in use
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     try:
         progress = learner.run(stop)
     except grpc.FutureTimeoutError:

@@ -28,6 +28,7 @@ import torch
 
 from common.codec import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.metrics_http import check_listen
 from common.retry import RETRYABLE, Backoff, Stopped
 from common.wire import encode_fragment, params_crc32
 from learner.client import AggregatorClient
@@ -82,6 +83,10 @@ class LearnerConfig(GPTConfig):
     """How many learners share this host, to size the default thread count."""
     connect_timeout_s: float = 30.0
     """Give up if the server cannot be reached for this long at start."""
+    metrics_listen: str = ""
+    """host:port for the Prometheus endpoint (/metrics), e.g. 0.0.0.0:9101; empty: off."""
+    metrics_port_file: str = ""
+    """If set, write the bound metrics port to this file (for launchers using port 0)."""
     summary_file: str = ""
     """If set, write the final summary as JSON here."""
     save_params: str = ""
@@ -115,6 +120,7 @@ class LearnerConfig(GPTConfig):
         if not self.learner_id:
             self.learner_id = f"{os.uname().nodename}-{os.getpid()}"
         resolve_device(self.device)  # fails here, in one sentence, for a bad or absent device
+        check_listen("metrics_listen", self.metrics_listen)
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)})
@@ -131,6 +137,8 @@ class Progress:
     versions: list[int] = dataclasses.field(default_factory=list)  # per fragment
     eval_losses: list[float] = dataclasses.field(default_factory=list)
     compute_s: float = 0.0
+    train_wall_s: float = 0.0  # from the first inner step to the last
+    eval_s: float = 0.0  # of that, evaluating: utilisation = compute_s / (train_wall_s - eval_s)
     blocked_on_sync_s: float = 0.0
     fragment_syncs: int = 0
     late_merges: int = 0
@@ -175,6 +183,7 @@ class Learner:
         self.sync: StreamingSync | None = None
         self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)
         self.server_epoch = 0
+        self.server_versions: list[int] = []  # per fragment, from the last heartbeat
         self._resync = threading.Event()  # set when the session is gone: join and re-sync
         self._rejoin_backoff = Backoff()
         self._next_rejoin_s = 0.0
@@ -191,6 +200,7 @@ class Learner:
             self._join()
             threading.Thread(target=self._heartbeat, args=(heartbeat_stop,), daemon=True).start()
             self._record_eval()
+            train_started = time.monotonic()
             while not stop.is_set():
                 if cfg.max_outer_steps and self.progress.outer_steps >= cfg.max_outer_steps:
                     break
@@ -208,6 +218,7 @@ class Learner:
                 if self.step % cfg.sync_every_steps == 0:
                     self.progress.outer_steps += 1
                     self._record_eval()
+                self.progress.train_wall_s = time.monotonic() - train_started
             if not stop.is_set():
                 self._drain(self.step)
         finally:
@@ -365,6 +376,7 @@ class Learner:
                 reply = self.client.heartbeat(request)
                 if session != self.session_id:
                     continue  # a rejoin happened meanwhile; this answer is about the old one
+                self.server_versions = list(reply.fragment_versions)
                 if reply.server_epoch != self.server_epoch:
                     log.warning(
                         "learner=%s server restarted (new epoch); will re-sync",
@@ -389,6 +401,7 @@ class Learner:
     def _record_eval(self) -> None:
         """Evaluate the global parameters (the learner's replicas) on the validation split."""
         assert self.sync is not None
+        started = time.perf_counter()
         eval_params = [p for _, p in self.eval_model.named_parameters()]
         with torch.no_grad():
             for replica in self.sync.replicas:
@@ -401,6 +414,7 @@ class Learner:
             ]
         loss = sum(losses) / len(losses)
         self.progress.eval_losses.append(loss)
+        self.progress.eval_s += time.perf_counter() - started
         p = self.progress
         log.info(
             "learner=%s outer_step=%d versions=%s eval_loss=%.4f train_loss=%.4f tokens=%d "

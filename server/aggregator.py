@@ -24,6 +24,7 @@ from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, No
 from common.fragments import layout_fragments
 from server.config import AggregatorConfig
 from server.durable import LogRecord, StateStore
+from server.events import AggregatorEvents
 from server.fragment import FragmentState, PullResult, Round
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s, staleness_discount
@@ -65,9 +66,13 @@ class Aggregator:
     """Sessions, leases, fragments and rounds; see the module docstring."""
 
     def __init__(
-        self, config: AggregatorConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        config: AggregatorConfig,
+        clock: Callable[[], float] = time.monotonic,
+        events: AggregatorEvents | None = None,
     ) -> None:
         self.config = config
+        self.events = events or AggregatorEvents()
         self.server_epoch = secrets.randbits(63)
         self._clock = clock
         self._cond = threading.Condition()
@@ -220,7 +225,10 @@ class Aggregator:
             discount = staleness_discount(fragment.version - base_version)
             fragment.add(session.learner_id, tensors, tokens, weight, discount)
             fragment.last_push_base[session.learner_id] = base_version
+            self.events.contribution(fragment.version - base_version)
             rnd = fragment.round
+            if rnd.opened_at is None:
+                rnd.opened_at = self._clock()
             if rnd.quorum_since is None and len(rnd.contributors) >= self.config.min_contributors:
                 rnd.quorum_since = self._clock()
             round_version = fragment.version + 1
@@ -368,7 +376,10 @@ class Aggregator:
             return
         if isinstance(fragment.outer, DelayedNesterov) and not self.config.async_momentum_every:
             fragment.outer.every = max(1, len(self._sessions))
+        opened_at = fragment.round.opened_at
         summary = fragment.close_round()
+        round_s = self._clock() - opened_at if opened_at is not None else 0.0
+        self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
         if self._store is not None:  # durable before the lock is released and it is served
             assert fragment.last_mean is not None
             every = fragment.outer.every if isinstance(fragment.outer, DelayedNesterov) else 0
@@ -389,7 +400,7 @@ class Aggregator:
         self._cond.notify_all()
 
     def _write_snapshot(self, store: StateStore) -> None:
-        cfg = self.config
+        cfg, started = self.config, time.perf_counter()
         store.write_snapshot(
             {
                 "fingerprint": [(p.name, p.shape, p.dtype) for p in self._fingerprint or []],
@@ -403,6 +414,7 @@ class Aggregator:
             }
         )
         self._rounds_since_snapshot = 0
+        self.events.snapshot_written(time.perf_counter() - started)
 
     def _restore(self, store: StateStore) -> None:
         """Load the snapshot and replay the log (see server/durable.py)."""

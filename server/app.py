@@ -19,8 +19,10 @@ from grpc_reflection.v1alpha import reflection
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
+from common.metrics_http import check_listen
 from common.rpc import SERVICE_NAME, create_server
 from server.aggregator import Aggregator, AggregatorConfig
+from server.metrics import ServerMetrics
 from server.servicer import AggregatorServicer
 
 log = logging.getLogger("diloco.server")
@@ -36,11 +38,16 @@ class ServerConfig(AggregatorConfig):
     """If set, write the bound port to this file once serving (for launchers using port 0)."""
     log_level: str = "INFO"
     """Python logging level."""
+    metrics_listen: str = ""
+    """host:port for the Prometheus endpoint (/metrics), e.g. 0.0.0.0:9100; empty: off."""
+    metrics_port_file: str = ""
+    """If set, write the bound metrics port to this file (for launchers using port 0)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        check_listen("metrics_listen", self.metrics_listen)
 
 
 class AggregatorService:
@@ -48,9 +55,11 @@ class AggregatorService:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.aggregator = Aggregator(config)
+        self.metrics = ServerMetrics()
+        self.aggregator = Aggregator(config, events=self.metrics)
         self._server, self.port = create_server(config.listen)
         self.servicer = AggregatorServicer(self.aggregator)
+        self.metrics.watch(self.aggregator, self.servicer)
         pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["Aggregator"].full_name, reflection.SERVICE_NAME),

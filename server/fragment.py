@@ -32,6 +32,7 @@ class Round:
     pushes: int = 0
     tokens: int = 0
     quorum_since: float | None = None  # clock time the round first had enough contributors
+    opened_at: float | None = None  # clock time of the round's first push
 
 
 @dataclass(frozen=True)

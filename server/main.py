@@ -13,6 +13,7 @@ import signal
 import threading
 
 from common.config import add_config_flags, config_from_args
+from common.metrics_http import serve_metrics
 from server.app import AggregatorService, ServerConfig
 
 
@@ -26,8 +27,13 @@ def main() -> None:
         signal.signal(signum, lambda *_: stop.set())
     try:
         service = AggregatorService(config)
-    except OSError as err:
-        parser.error(str(err))
+        if config.metrics_listen:
+            port = serve_metrics(
+                config.metrics_listen, service.metrics.registry, config.metrics_port_file
+            )
+            logging.getLogger("diloco.server").info("metrics on port %d at /metrics", port)
+    except OSError as err:  # e.g. a port already in use
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     service.start()
     try:
         stop.wait()

@@ -6,9 +6,11 @@ and out is counted in `traffic`, per fragment.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
+import threading
 from collections.abc import Iterator
 
 from common.errors import DilocoError, InvalidArgument
@@ -33,6 +35,8 @@ def _abort_on_domain_error(method):
             return method(self, request, context)
         except DilocoError as err:
             log.warning("%s rejected: %s", method.__name__, err)
+            if method.__name__ == "PushFragment":
+                self.count_push(err.code.name.lower())
             context.abort(err.code, str(err))
 
     return wrapper
@@ -42,6 +46,17 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, aggregator: Aggregator) -> None:
         self.aggregator = aggregator
         self.traffic = Traffic()
+        # "accepted" or the rejection's status code name (a bounded set): for metrics.
+        self.push_results: collections.Counter[str] = collections.Counter()
+        self._push_results_lock = threading.Lock()
+
+    def count_push(self, result: str) -> None:
+        with self._push_results_lock:
+            self.push_results[result] += 1
+
+    def push_result_counts(self) -> dict[str, int]:
+        with self._push_results_lock:
+            return dict(self.push_results)
 
     @_abort_on_domain_error
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
@@ -91,6 +106,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 inner_steps=header.inner_steps,
             )
         response = pb.PushFragmentResponse(accepted=True, round_version=version)
+        self.count_push("accepted")
         self.traffic.count(fid, sent=response.ByteSize())
         return response
 

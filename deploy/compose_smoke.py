@@ -1,0 +1,178 @@
+"""`make compose-smoke`: build the image, run the compose setup, kill and restart a learner.
+
+    python deploy/compose_smoke.py [--timeout-s 600] [--keep]
+
+Needs a running Docker engine and docker-compose (../shared/RUNBOOK.md). Works offline: if no
+base image is given (BASE_IMAGE), one is built from Debian packages with debootstrap (root),
+including Debian's prometheus for the Prometheus container; wheels come from pip's configured
+index into deploy/wheels/. Runs with deploy/docker-compose.host.yml, so every container uses
+host networking on 127.0.0.1. Grafana is left out here (no offline image); its provisioning
+is checked by tests/unit/test_deploy_manifests.py.
+
+Steps, each bounded in time: build; up server + 3 learners + Prometheus; wait until
+Prometheus has every target up and every learner has finished outer steps; `kill -9` one
+learner container and start it again; wait until it has rejoined (the server logs its second
+join and has 3 live learners, and the restarted learner completes an outer step); tear
+everything down (always).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from deploy.prometheus_api import instant_query  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+WHEELS = DEPLOY / "wheels"
+DEFAULT_BASE = "local/py311-base:bookworm"
+IMAGE = "decoupled-diloco:dev"
+PROJECT = "diloco-smoke"
+PROMETHEUS = "http://127.0.0.1:19090"
+LEARNERS = ["learner-1", "learner-2", "learner-3"]
+SERVICES = ["server", *LEARNERS, "prometheus"]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def sh(*argv: str, env: dict | None = None, quiet: bool = False) -> str:
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=quiet, text=True, check=False)
+    if result.returncode != 0:
+        detail = (result.stderr or "")[-2000:] if quiet else ""
+        raise RuntimeError(f"{' '.join(argv[:4])} ... failed ({result.returncode}) {detail}")
+    return result.stdout or ""
+
+
+def ensure_base_image(base: str) -> None:
+    if subprocess.run(["docker", "image", "inspect", base], capture_output=True).returncode == 0:
+        return
+    if base != DEFAULT_BASE:
+        raise RuntimeError(f"base image {base} not found")
+    log(f"building {base} with debootstrap (about 2 minutes)")
+    mirror = "http://deb.debian.org/debian"
+    for source in Path("/etc/apt/sources.list.d").glob("*.sources"):
+        for line in source.read_text().splitlines():
+            if line.startswith("URIs: "):
+                mirror = line.split()[1]
+    rootfs = Path("/tmp/diloco-rootfs")
+    shutil.rmtree(rootfs, ignore_errors=True)
+    packages = "python3,python3-venv,python3-pip,ca-certificates,prometheus"
+    sh("debootstrap", "--variant=minbase", f"--include={packages}", "bookworm", str(rootfs), mirror)
+    tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+    subprocess.run(["docker", "import", "-", base], stdin=tar.stdout, check=True)
+    tar.wait()
+    shutil.rmtree(rootfs, ignore_errors=True)
+
+
+def ensure_wheels() -> None:
+    if any(WHEELS.glob("torch-*.whl")):
+        return
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    deps = [d for d in project["dependencies"] if not d.startswith("torch")]
+    torch_spec = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+    log(f"downloading wheels into {WHEELS}")
+    pip = [sys.executable, "-m", "pip", "download", "-q", "-d", str(WHEELS)]
+    sh(*pip, torch_spec, *deps, "setuptools>=68", "wheel")
+
+
+def values_by_instance(expr: str) -> dict[str, float]:
+    results = instant_query(PROMETHEUS, expr)
+    return {r["metric"].get("instance", ""): float(r["value"][1]) for r in results}
+
+
+def wait_for(what: str, check, deadline: float) -> None:
+    log(f"waiting: {what}")
+    while time.monotonic() < deadline:
+        if check():
+            log(f"ok: {what}")
+            return
+        time.sleep(2)
+    raise RuntimeError(f"timed out waiting for: {what}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--timeout-s", type=float, default=900, help="for the whole run")
+    parser.add_argument("--keep", action="store_true", help="leave the containers running")
+    args = parser.parse_args()
+    deadline = time.monotonic() + args.timeout_s
+    for tool in ("docker", "docker-compose"):
+        if shutil.which(tool) is None:
+            parser.exit(2, f"compose_smoke: error: {tool} not found (see ../shared/RUNBOOK.md)\n")
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        parser.exit(2, "compose_smoke: error: the Docker engine is not running (start dockerd)\n")
+    base = os.environ.get("BASE_IMAGE", DEFAULT_BASE)
+    started = time.monotonic()
+    ensure_base_image(base)
+    ensure_wheels()
+    log("building the image")
+    sh(
+        "docker", "build", "-q", "--network", "host", "-f", "deploy/Dockerfile",
+        "--build-arg", f"BASE_IMAGE={base}", "-t", IMAGE, ".",
+    )  # fmt: skip
+    env = {**os.environ, "DILOCO_IMAGE": IMAGE, "PROMETHEUS_IMAGE": base}
+    compose = [
+        "docker-compose", "-p", PROJECT,
+        "-f", "deploy/docker-compose.yml", "-f", "deploy/docker-compose.host.yml",
+    ]  # fmt: skip
+    try:
+        sh(*compose, "up", "-d", "--no-build", *SERVICES, env=env)
+        wait_for(
+            "Prometheus sees all 4 targets up",
+            lambda: sum(values_by_instance("up").values()) == 4,
+            deadline,
+        )
+        wait_for(
+            "every learner has completed 2 outer steps",
+            lambda: (
+                (v := values_by_instance("diloco_learner_outer_steps_total"))
+                and len(v) == 3
+                and min(v.values()) >= 2
+            ),
+            deadline,
+        )
+        log("kill -9 learner-2, then start it again")
+        sh(*compose, "kill", "-s", "SIGKILL", "learner-2", env=env)
+        sh(*compose, "start", "learner-2", env=env)  # a no-op if its restart policy was first
+
+        def rejoined() -> bool:
+            server_log = sh(*compose, "logs", "--no-color", "server", env=env, quiet=True)
+            learner_log = sh(*compose, "logs", "--no-color", "learner-2", env=env, quiet=True)
+            after_restart = learner_log.rpartition("learner=learner-2 joined")[2]
+            live = values_by_instance("diloco_server_live_learners").get("127.0.0.1:19100")
+            return (
+                server_log.count("learner=learner-2 joined") >= 2
+                and "outer_step=1 " in after_restart
+                and live == 3
+            )
+
+        wait_for(
+            "learner-2 joined again, trains (an outer step), and the server has 3 live learners",
+            rejoined,
+            deadline,
+        )
+        versions = values_by_instance("diloco_server_fragment_version")
+        log(f"fragment versions now: {sorted(versions.values())}")
+        log(f"PASS in {time.monotonic() - started:.0f} s")
+        return 0
+    except RuntimeError as err:
+        log(f"FAIL: {err}")
+        subprocess.run([*compose, "logs", "--no-color", "--tail", "20"], cwd=REPO, env=env)
+        return 1
+    finally:
+        if not args.keep:
+            subprocess.run([*compose, "down", "-v"], cwd=REPO, env=env, capture_output=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

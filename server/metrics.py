@@ -1,0 +1,123 @@
+"""The aggregator's Prometheus metrics (DESIGN.md section 8), declared in one place.
+
+    metrics = ServerMetrics()                        # its own registry
+    aggregator = Aggregator(config, events=metrics)  # events: rounds, staleness, snapshots
+    metrics.watch(aggregator, servicer)              # state read at scrape time
+
+One registry per service rather than the module-level default, so that tests can run several
+servers in one process. Labels are bounded: `fragment` (P values, plus "none" for traffic that
+belongs to no fragment) and `result` ("accepted" or a gRPC status name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from common.traffic import NO_FRAGMENT
+from server.aggregator import Aggregator
+from server.events import AggregatorEvents
+from server.servicer import AggregatorServicer
+
+SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics(AggregatorEvents):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.round_duration = Histogram(
+            "diloco_server_round_duration_seconds",
+            "Time from a round's first push to its close.",
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.outer_step = Histogram(
+            "diloco_server_outer_step_seconds",
+            "Time of one outer optimizer step (average, Nesterov, 4-bit update).",
+            buckets=SECONDS,
+            registry=r,
+        )
+        self.staleness = Histogram(
+            "diloco_server_contribution_staleness_versions",
+            "How many versions behind the global fragment an accepted push was computed.",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+            registry=r,
+        )
+        self.quorum = Histogram(
+            "diloco_server_round_contributions",
+            "Pushes averaged into one round (the quorum size it closed with).",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
+        self.snapshot = Histogram(
+            "diloco_server_snapshot_write_seconds",
+            "Time to write one durable snapshot of the whole state.",
+            buckets=SECONDS,
+            registry=r,
+        )
+
+    def watch(self, aggregator: Aggregator, servicer: AggregatorServicer) -> None:
+        """Export the aggregator's and servicer's current state at every scrape."""
+        self.registry.register(_StateCollector(aggregator, servicer))
+
+    # -- AggregatorEvents -------------------------------------------------------------------
+
+    def contribution(self, staleness_versions: int) -> None:
+        self.staleness.observe(staleness_versions)
+
+    def round_closed(self, contributors: int, round_s: float, outer_step_s: float) -> None:
+        self.quorum.observe(contributors)
+        self.round_duration.observe(round_s)
+        self.outer_step.observe(outer_step_s)
+
+    def snapshot_written(self, seconds: float) -> None:
+        self.snapshot.observe(seconds)
+
+
+class _StateCollector(Collector):
+    def __init__(self, aggregator: Aggregator, servicer: AggregatorServicer) -> None:
+        self.aggregator, self.servicer = aggregator, servicer
+
+    def collect(self) -> Iterator:
+        agg = self.aggregator
+        versions = GaugeMetricFamily(
+            "diloco_server_fragment_version",
+            "Current global version of each fragment (-1: not initialised).",
+            labels=["fragment"],
+        )
+        for fid, _, version in agg.layout():
+            versions.add_metric([str(fid)], version)
+        yield versions
+        yield GaugeMetricFamily(
+            "diloco_server_live_learners",
+            "Learners holding a live lease.",
+            value=len(agg.live_learners()),
+        )
+        pushes = CounterMetricFamily(
+            "diloco_server_pushes",
+            "PushFragment calls by result: accepted, or the status they were refused with.",
+            labels=["result"],
+        )
+        for result, count in sorted(self.servicer.push_result_counts().items()):
+            pushes.add_metric([result], count)
+        yield pushes
+        received = CounterMetricFamily(
+            "diloco_server_received_bytes",
+            "Bytes of gRPC messages received, per fragment.",
+            labels=["fragment"],
+        )
+        sent = CounterMetricFamily(
+            "diloco_server_sent_bytes",
+            "Bytes of gRPC messages sent, per fragment.",
+            labels=["fragment"],
+        )
+        for fid, counts in self.servicer.traffic.by_fragment().items():
+            label = "none" if fid == NO_FRAGMENT else str(fid)
+            received.add_metric([label], counts["received"])
+            sent.add_metric([label], counts["sent"])
+        yield received
+        yield sent

@@ -1,0 +1,72 @@
+"""Settings from file, environment and flags: precedence, types, and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from common.config import add_config_flags, config_from_args
+from learner.trainer import LearnerConfig
+from server.app import ServerConfig
+
+
+def build(argv: list[str], environ: dict[str, str]) -> ServerConfig:
+    parser = argparse.ArgumentParser(prog="diloco-server")
+    add_config_flags(parser, ServerConfig)
+    return config_from_args(parser, ServerConfig, parser.parse_args(argv), environ)
+
+
+def test_defaults_then_file_then_environment_then_flags(tmp_path: Path) -> None:
+    config_file = tmp_path / "server.toml"
+    config_file.write_text('lease_s = 7\nfragments = 3\nmode = "quorum"\n')
+    assert build([], {}).lease_s == 10.0  # the default
+    got = build(["--config", str(config_file)], {})
+    assert (got.lease_s, got.fragments, got.mode) == (7.0, 3, "quorum")
+    got = build(["--config", str(config_file)], {"DILOCO_LEASE_S": "8", "DILOCO_FRAGMENTS": "2"})
+    assert (got.lease_s, got.fragments, got.mode) == (8.0, 2, "quorum")
+    got = build(["--config", str(config_file), "--lease-s", "9"], {"DILOCO_LEASE_S": "8"})
+    assert (got.lease_s, got.fragments) == (9.0, 3)
+
+
+@pytest.mark.parametrize(
+    "toml, environ, message",
+    [
+        ("lease_ss = 5\n", {}, "unknown key 'lease_ss'"),
+        ("lease-s = 5\n", {}, "did you mean lease_s?"),
+        ('lease_s = "ten"\n', {}, "lease_s must be a number, got 'ten'"),
+        ("fragments = 2.5\n", {}, "fragments must be an integer, got 2.5"),
+        ("fragments = true\n", {}, "fragments must be an integer, got True"),
+        ("lease_s = \n", {}, "is not valid TOML"),
+        ("", {"DILOCO_FRAGMENTS": "many"}, "DILOCO_FRAGMENTS must be an integer, got 'many'"),
+        ("lease_s = -1\n", {}, "lease_s must be > 0, got -1.0"),
+    ],
+)
+def test_bad_settings_exit_2_with_one_line(
+    tmp_path: Path, capsys, toml: str, environ: dict, message: str
+) -> None:
+    config_file = tmp_path / "server.toml"
+    config_file.write_text(toml)
+    with pytest.raises(SystemExit) as exited:
+        build(["--config", str(config_file)], environ)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("diloco-server: error: ")
+    assert message in err
+
+
+def test_missing_config_file(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        build(["--config", str(tmp_path / "nope.toml")], {})
+    assert "cannot read config file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["server", "learner"])
+def test_example_config_files_load(name: str) -> None:
+    cls = ServerConfig if name == "server" else LearnerConfig
+    parser = argparse.ArgumentParser(prog=f"diloco-{name}")
+    add_config_flags(parser, cls)
+    path = Path(__file__).resolve().parents[2] / "deploy" / "config" / f"{name}.toml"
+    config = config_from_args(parser, cls, parser.parse_args(["--config", str(path)]), {})
+    assert config.metrics_listen.startswith("0.0.0.0:")

@@ -1,0 +1,154 @@
+"""deploy/k8s and deploy/docker-compose agree with the code: env names, ports, paths, commands."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.config import ENV_PREFIX, resolve_values
+from learner.trainer import LearnerConfig
+from server.app import ServerConfig
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SCRIPTS = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["scripts"]
+CONFIGS = {"diloco-server": ServerConfig, "diloco-learner": LearnerConfig}
+
+
+def k8s_objects() -> dict[tuple[str, str], dict]:
+    objects = {}
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def port_of(listen: str) -> int:
+    return int(listen.rpartition(":")[2])
+
+
+def config_of(command: str, env: dict[str, str]):
+    """Build the daemon's config from the manifest's environment, as the daemon would."""
+    cls = CONFIGS[command]
+    unknown = [k for k in env if k.startswith(ENV_PREFIX) and k not in _env_names(cls)]
+    assert not unknown, f"{command} has no setting for {unknown}"
+    return cls(**resolve_values(cls, None, env))
+
+
+def _env_names(cls) -> set[str]:
+    return {ENV_PREFIX + name.upper() for name in cls.__dataclass_fields__}
+
+
+def pod_env(container: dict) -> dict[str, str]:
+    # Values from the downward API stand in as a placeholder of the right type.
+    return {e["name"]: e.get("value", "pod-name") for e in container["env"]}
+
+
+def test_k8s_server_agrees_with_the_code() -> None:
+    objects = k8s_objects()
+    sts = objects[("StatefulSet", "diloco-server")]
+    pod = sts["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][0] in SCRIPTS
+    config = config_of(container["command"][0], pod_env(container))
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": port_of(config.listen), "metrics": port_of(config.metrics_listen)}
+    assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == ports["metrics"]
+    assert container["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["state"] == config.state_dir
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "state"
+    service = objects[("Service", "diloco-server")]
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
+    assert service["spec"]["selector"] == pod["metadata"]["labels"]
+
+
+def test_k8s_learners_agree_with_the_code() -> None:
+    objects = k8s_objects()
+    pod = objects[("Deployment", "diloco-learner")]["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert container["command"][0] in SCRIPTS
+    config = config_of(container["command"][0], pod_env(container))
+    service = objects[("Service", "diloco-server")]
+    host, _, port = config.server.rpartition(":")
+    assert host == service["metadata"]["name"]
+    assert int(port) in {p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"}
+    metrics_port = port_of(config.metrics_listen)
+    assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == metrics_port
+    assert [p["containerPort"] for p in container["ports"]] == [metrics_port]
+
+
+@pytest.mark.parametrize("cls", [ServerConfig, LearnerConfig])
+def test_an_unknown_variable_is_caught(cls) -> None:
+    with pytest.raises(AssertionError, match="no setting for"):
+        config_of(next(k for k, v in CONFIGS.items() if v is cls), {"DILOCO_NOPE": "1"})
+
+
+def compose_services(*files: str) -> dict[str, dict]:
+    """Services of the compose files, later files overriding earlier ones (environments merge)."""
+    services: dict[str, dict] = {}
+    for name in files:
+        for service, spec in yaml.safe_load((DEPLOY / name).read_text())["services"].items():
+            merged = services.setdefault(service, {})
+            env = {**merged.get("environment", {}), **spec.get("environment", {})}
+            merged.update(spec)
+            merged["environment"] = env
+    return services
+
+
+def scrape_targets(prometheus_file: str) -> set[str]:
+    config = yaml.safe_load((DEPLOY / "prometheus" / prometheus_file).read_text())
+    return {
+        t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]
+    }
+
+
+@pytest.mark.parametrize(
+    "files, prometheus_file, host_of",
+    [
+        (["docker-compose.yml"], "compose.yml", lambda service, listen: service),
+        (
+            ["docker-compose.yml", "docker-compose.host.yml"],
+            "host.yml",
+            lambda service, listen: listen.rpartition(":")[0],
+        ),
+    ],
+)
+def test_compose_agrees_with_the_code(files, prometheus_file, host_of) -> None:
+    services = compose_services(*files)
+    daemons = {n: s for n, s in services.items() if s.get("command", [""])[0] in CONFIGS}
+    assert len([n for n in daemons if n.startswith("learner")]) == 3
+    expected_targets = set()
+    server_listen = None
+    for name, spec in daemons.items():
+        config = config_of(spec["command"][0], spec["environment"])
+        host = host_of(name, config.metrics_listen)
+        expected_targets.add(f"{host}:{port_of(config.metrics_listen)}")
+        if name == "server":
+            server_listen = config.listen
+            assert config.state_dir == spec["volumes"][0].split(":")[1]
+    for name, spec in daemons.items():
+        if name != "server":
+            config = config_of(spec["command"][0], spec["environment"])
+            assert port_of(config.server) == port_of(server_listen)
+    assert scrape_targets(prometheus_file) == expected_targets
+    assert any(s["environment"].get("DILOCO_SLOWDOWN") for s in daemons.values())
+
+
+def test_grafana_provisioning_points_at_the_dashboard_and_prometheus() -> None:
+    grafana = compose_services("docker-compose.yml")["grafana"]
+    mounts = dict(v.rsplit(":", 2)[:2] for v in grafana["volumes"])
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "dashboards" / "diloco.yml").read_text()
+    )
+    dashboard_dir = provider["providers"][0]["options"]["path"]
+    assert mounts["./grafana/diloco.json"].startswith(dashboard_dir + "/")
+    source = yaml.safe_load(
+        (DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"][0]
+    dashboard = yaml.safe_load((DEPLOY / "grafana" / "diloco.json").read_text())
+    uids = {p["datasource"]["uid"] for p in dashboard["panels"]}
+    assert uids == {source["uid"]}
+    assert source["url"].endswith(":9090")

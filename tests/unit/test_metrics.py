@@ -1,0 +1,122 @@
+"""Server and learner metrics: the aggregator's events and state reach the registry."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from prometheus_client import generate_latest
+
+from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.metrics import ServerMetrics
+from server.servicer import AggregatorServicer
+from tests.unit.test_aggregator import FINGERPRINT, FakeClock, tensors
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_server_metrics_record_rounds_staleness_and_state() -> None:
+    clock, metrics = FakeClock(), ServerMetrics()
+    agg = Aggregator(
+        AggregatorConfig(mode="quorum", min_contributors=2), clock=clock, events=metrics
+    )
+    servicer = AggregatorServicer(agg)
+    metrics.watch(agg, servicer)
+    a, b, c = (agg.join(name, FINGERPRINT).session_id for name in ("a", "b", "c"))
+    agg.initialize(a, 0, tensors(0))
+    get = metrics.registry.get_sample_value
+
+    agg.push(a, 0, 0, tensors(1), tokens=10, inner_steps=1)
+    clock.now = 3.0
+    agg.push(b, 0, 0, tensors(2), tokens=10, inner_steps=1)  # K = 2, no grace: closes
+    assert get("diloco_server_fragment_version", {"fragment": "0"}) == 1
+    assert get("diloco_server_round_contributions_count") == 1
+    assert get("diloco_server_round_contributions_sum") == 2
+    assert get("diloco_server_round_duration_seconds_sum") == 3.0
+    assert get("diloco_server_contribution_staleness_versions_sum") == 0
+
+    agg.push(a, 0, 1, tensors(3), tokens=10, inner_steps=1)
+    agg.push(c, 0, 0, tensors(4), tokens=10, inner_steps=1)  # one version behind
+    assert get("diloco_server_contribution_staleness_versions_sum") == 1
+    assert get("diloco_server_contribution_staleness_versions_bucket", {"le": "0.0"}) == 3
+    assert get("diloco_server_fragment_version", {"fragment": "0"}) == 2
+    assert get("diloco_server_live_learners") == 3
+    agg.leave(b)
+    assert get("diloco_server_live_learners") == 2
+
+    servicer.count_push("accepted")
+    servicer.count_push("failed_precondition")
+    assert get("diloco_server_pushes_total", {"result": "accepted"}) == 1
+    assert get("diloco_server_pushes_total", {"result": "failed_precondition"}) == 1
+    servicer.traffic.count(0, sent=100, received=7)
+    servicer.traffic.count(received=5)  # no fragment: Join, Heartbeat
+    assert get("diloco_server_sent_bytes_total", {"fragment": "0"}) == 100
+    assert get("diloco_server_received_bytes_total", {"fragment": "none"}) == 5
+
+
+def test_metrics_of_two_servers_do_not_mix() -> None:
+    first, second = ServerMetrics(), ServerMetrics()
+    first.contribution(3)
+    assert first.registry.get_sample_value("diloco_server_contribution_staleness_versions_sum") == 3
+    assert (
+        second.registry.get_sample_value("diloco_server_contribution_staleness_versions_sum") == 0
+    )
+
+
+def test_snapshot_time_is_recorded(tmp_path) -> None:
+    metrics = ServerMetrics()
+    agg = Aggregator(AggregatorConfig(state_dir=str(tmp_path)), events=metrics)
+    session = agg.join("a", [ParamSpec("w", (4,), "float32")]).session_id
+    agg.initialize(session, 0, [torch.zeros(4)])
+    count = "diloco_server_snapshot_write_seconds_count"
+    before = metrics.registry.get_sample_value(count)
+    agg.checkpoint()
+    assert metrics.registry.get_sample_value(count) == before + 1
+
+
+def learner_exposition() -> str:
+    """The learner's /metrics text, from a stand-in with a learner's state attributes."""
+    from types import SimpleNamespace
+
+    from common.traffic import Traffic
+    from learner.metrics import learner_registry
+    from learner.streaming import FragmentReplica, SyncStats
+    from learner.trainer import Progress
+
+    replica = FragmentReplica(0, [0], [(4,)])
+    replica.version = 3
+    learner = SimpleNamespace(
+        progress=Progress(learner_id="a", inner_steps=5, tokens=640, eval_losses=[4.0, 3.5]),
+        sync=SimpleNamespace(stats=SyncStats(blocked_s=1.5), replicas=[replica]),
+        client=SimpleNamespace(traffic=Traffic()),
+        server_versions=[5],
+    )
+    return generate_latest(learner_registry(learner)).decode()
+
+
+def test_learner_metrics_read_its_state() -> None:
+    text = learner_exposition()
+    assert "diloco_learner_tokens_total 640.0" in text
+    assert "diloco_learner_eval_loss 3.5" in text
+    assert "diloco_learner_sync_blocked_seconds_total 1.5" in text
+    assert 'diloco_learner_replica_staleness_versions{fragment="0"} 2.0' in text
+    assert 'diloco_learner_info{learner_id="a"} 1.0' in text
+
+
+def test_dashboard_uses_only_metrics_the_code_exports() -> None:
+    server = ServerMetrics()
+    agg = Aggregator(AggregatorConfig())
+    agg.join("a", FINGERPRINT)
+    servicer = AggregatorServicer(agg)
+    servicer.traffic.count(0, sent=1, received=1)
+    servicer.count_push("accepted")
+    server.watch(agg, servicer)
+    exported = generate_latest(server.registry).decode() + learner_exposition()
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "diloco.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    names = {name for expr in exprs for name in re.findall(r"diloco_\w+", expr)}
+    assert len(names) >= 12
+    for name in names:
+        assert re.search(rf"^{name}[{{ ]", exported, re.M), f"{name} is not exported"
