@@ -23,9 +23,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deploy.prometheus_api import instant_query  # noqa: E402
@@ -85,6 +88,25 @@ def ensure_wheels() -> None:
     sh(*pip, torch_spec, *deps, "setuptools>=68", "wheel")
 
 
+def host_network_config(env: dict) -> str:
+    """docker-compose.yml with the host-network override applied, as one file.
+
+    Compose v1 cannot remove a key in an override, and published ports are refused with host
+    networking, so they are dropped here (every port is then on 127.0.0.1 already).
+    """
+    merged = sh(
+        "docker-compose", "-f", "deploy/docker-compose.yml",
+        "-f", "deploy/docker-compose.host.yml", "config", env=env, quiet=True,
+    )  # fmt: skip
+    config = yaml.safe_load(merged)  # paths in it are absolute
+    for service in config["services"].values():
+        if service.get("network_mode") == "host":
+            service.pop("ports", None)
+    path = Path(tempfile.mkdtemp(prefix="diloco-smoke-")) / "docker-compose.yml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
 def values_by_instance(expr: str) -> dict[str, float]:
     results = instant_query(PROMETHEUS, expr)
     return {r["metric"].get("instance", ""): float(r["value"][1]) for r in results}
@@ -121,10 +143,7 @@ def main() -> int:
         "--build-arg", f"BASE_IMAGE={base}", "-t", IMAGE, ".",
     )  # fmt: skip
     env = {**os.environ, "DILOCO_IMAGE": IMAGE, "PROMETHEUS_IMAGE": base}
-    compose = [
-        "docker-compose", "-p", PROJECT,
-        "-f", "deploy/docker-compose.yml", "-f", "deploy/docker-compose.host.yml",
-    ]  # fmt: skip
+    compose = ["docker-compose", "-p", PROJECT, "-f", host_network_config(env)]
     try:
         sh(*compose, "up", "-d", "--no-build", *SERVICES, env=env)
         wait_for(
@@ -161,8 +180,11 @@ def main() -> int:
             rejoined,
             deadline,
         )
-        versions = values_by_instance("diloco_server_fragment_version")
-        log(f"fragment versions now: {sorted(versions.values())}")
+        versions = {
+            r["metric"]["fragment"]: r["value"][1]
+            for r in instant_query(PROMETHEUS, "diloco_server_fragment_version")
+        }
+        log(f"fragment versions now: {versions}")
         log(f"PASS in {time.monotonic() - started:.0f} s")
         return 0
     except RuntimeError as err:
