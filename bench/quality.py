@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.simulate import Result, Setup, Variant, run_variant  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SMALL_H_TAG = "outer momentum 0.5"
 
 
 def variants(h_values: list[int], fragments: int, tuning_h: int, tune: bool) -> list[Variant]:
@@ -61,6 +62,12 @@ def variants(h_values: list[int], fragments: int, tuning_h: int, tune: bool) -> 
             replace(default, name=f"(d) H={tuning_h} outer lr 1.0", outer_lr=1.0),
             replace(default, name=f"(d) H={tuning_h} DP warm start 10%", warm_start_fraction=0.1),
         ]
+        # At small H, outer momentum 0.9 amplifies each round's step about lr/(1-mu) = 7x
+        # and overshoots (bench/outer_sweep.py); momentum 0.5 was the best of that sweep.
+        h0 = h_values[0]
+        for kind in ("(b) DiLoCo", "(d) Streaming fp4+overlap"):
+            base = next(v for v in out if v.name == f"{kind} H={h0}")
+            out.append(replace(base, name=f"{kind} H={h0} {SMALL_H_TAG}", outer_momentum=0.5))
     return out
 
 
@@ -143,6 +150,16 @@ def check(rows: list[dict], h_values: list[int], tuning_h: int) -> list[str]:
         share <= 1.25 / fragments,
         f"peak sync bytes (c)/(b) = {share:.3f} (1/P = {1 / fragments:.3f})",
     )
+    b_small = by.get(f"(b) DiLoCo H={h0} {SMALL_H_TAG}")
+    d_small = by.get(f"(d) Streaming fp4+overlap H={h0} {SMALL_H_TAG}")
+    if b_small and d_small:
+        rel = d_small["eval_loss"] / b_small["eval_loss"] - 1
+        verdict(
+            d_small["gap_vs_dp"] <= 0.015,
+            f"H={h0}, {SMALL_H_TAG}: (d) within 1.5% of (a) "
+            f"({100 * d_small['gap_vs_dp']:+.2f}%; (b) {100 * b_small['gap_vs_dp']:+.2f}%; "
+            f"(d) vs (b) {100 * rel:+.2f}%)",
+        )
     tuned = [r for r in rows if r["name"].startswith(f"(d) H={tuning_h} ")]
     if not tuned:
         return lines

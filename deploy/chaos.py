@@ -82,8 +82,18 @@ class Report:
 class Cluster:
     """A server and K learners, each learner behind its own FaultProxy."""
 
-    def __init__(self, workdir: Path, learners: int, fragments: int) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        learners: int,
+        fragments: int,
+        mode: str = "quorum",
+        learner_flags: dict[int, list[str]] | None = None,
+    ) -> None:
+        """`learner_flags`: extra flags for some learners (e.g. a --slowdown)."""
         self.workdir, self.k, self.fragments = workdir, learners, fragments
+        self.mode = mode
+        self.learner_flags = learner_flags or {}
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = 0
         self.server: subprocess.Popen | None = None
@@ -112,7 +122,7 @@ class Cluster:
                 "--state-dir",
                 self.workdir / "state",
                 "--mode",
-                "quorum",
+                self.mode,
                 "--fragments",
                 str(self.fragments),
                 "--lease-s",
@@ -146,6 +156,7 @@ class Cluster:
                 "--summary-file",
                 self.workdir / f"learner-{i}.json",
                 *MODEL_FLAGS,
+                *self.learner_flags.get(i, []),
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

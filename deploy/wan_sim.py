@@ -7,8 +7,9 @@ server by a veth pair shaped with `tbf` to --link-mbit in both directions, plus 
 one-way latency from a small proxy of ours in the server's namespace (netem is unavailable).
 Then runs the same learners twice over the same links:
 
-- streaming+fp4: Streaming DiLoCo as `make run` trains it (P=2, H=50, τ=--overlap-steps,
-  4-bit pushes and pulls);
+- streaming+fp4: Streaming DiLoCo as `make run` trains it (P=2, H=50, 4-bit pushes and
+  pulls) but with τ = --overlap-steps (default 5, the top of the paper's range: a sync must
+  cross the link twice plus two round trips of latency while training goes on);
 - dp: per-step data-parallel sync through the same server (H=1, one fragment, fp32 both
   ways, waiting for the result every step, as all-reduce would).
 
@@ -116,6 +117,9 @@ def in_ns(ns: str, *argv: str) -> list[str]:
 
 def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
     flags = MODES[mode]
+    if mode == "streaming_fp4":
+        tau = ["--overlap-steps", str(args.overlap_steps)]
+        flags = {**flags, "learner": [*flags["learner"], *tau]}
     with Network(args.learners, args.link_mbit) as net:
         procs: list[subprocess.Popen] = []
         logs = []
@@ -203,6 +207,9 @@ def main() -> int:
     parser.add_argument("--learners", type=int, default=2)
     parser.add_argument("--duration-s", type=float, default=60.0, help="per mode")
     parser.add_argument("--modes", default="streaming_fp4,dp")
+    parser.add_argument(
+        "--overlap-steps", type=int, default=5, help="streaming's τ: steps a sync may travel"
+    )
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("learner_flags", nargs="*", help="after --: more learner flags")
     args = parser.parse_args()
@@ -217,6 +224,7 @@ def main() -> int:
         "delay_ms": args.delay_ms,
         "learners": args.learners,
         "duration_s": args.duration_s,
+        "overlap_steps_streaming": args.overlap_steps,
         "logs": str(workdir),
     }
     for mode in modes:

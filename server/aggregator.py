@@ -81,6 +81,7 @@ class Aggregator:
         self._fragments: list[FragmentState] = []
         self._store = StateStore(config.state_dir) if config.state_dir else None
         self._rounds_since_snapshot = 0
+        self._last_weight: dict[str, float] = {}  # learner -> weight of its last push
         if self._store is not None:
             self._restore(self._store)
 
@@ -225,6 +226,7 @@ class Aggregator:
             discount = staleness_discount(fragment.version - base_version)
             fragment.add(session.learner_id, tensors, tokens, weight, discount)
             fragment.last_push_base[session.learner_id] = base_version
+            self._last_weight[session.learner_id] = weight
             self.events.contribution(fragment.version - base_version)
             rnd = fragment.round
             if rnd.opened_at is None:
@@ -377,7 +379,7 @@ class Aggregator:
         if isinstance(fragment.outer, DelayedNesterov) and not self.config.async_momentum_every:
             fragment.outer.every = max(1, len(self._sessions))
         opened_at = fragment.round.opened_at
-        summary = fragment.close_round()
+        summary = fragment.close_round(self._expected_weight(fragment.round))
         round_s = self._clock() - opened_at if opened_at is not None else 0.0
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
         if self._store is not None:  # durable before the lock is released and it is served
@@ -460,6 +462,14 @@ class Aggregator:
             [f.version for f in self._fragments],
             len(records),
         )
+
+    def _expected_weight(self, rnd: Round) -> float:
+        """quorum: the weight a round would carry with every live learner in it (each at the
+        weight of its last push; one never seen counts as this round's average)."""
+        if self.config.mode != "quorum" or not self.config.scale_partial_rounds:
+            return 0.0
+        average = rnd.weight_sum / max(1, rnd.pushes)
+        return sum(self._last_weight.get(s.learner_id, average) for s in self._sessions.values())
 
     def _round_ready(self, rnd: Round) -> bool:
         cfg = self.config

@@ -28,6 +28,10 @@ class AggregatorConfig:
     """quorum: the longest grace window."""
     weighting: str = ""
     """equal, tokens or tokens_squared_per_step (default: equal in sync mode, else the last)."""
+    scale_partial_rounds: bool = True
+    """quorum: a round that carries only part of the live learners' usual weight moves the
+    model by that part (missing work counts as zero), so closing rounds early and often does
+    not make the outer step larger. Off: every round takes the plain weighted mean."""
     max_staleness: int = 4
     """quorum/async: refuse a push computed against a version more than this many behind."""
     async_momentum_every: int = 0

@@ -104,11 +104,16 @@ class FragmentState:
         rnd.pushes += 1
         rnd.tokens += tokens
 
-    def close_round(self) -> RoundSummary:
-        """Average the round's pseudo-gradients and apply one outer step."""
+    def close_round(self, expected_weight: float = 0.0) -> RoundSummary:
+        """Average the round's pseudo-gradients and apply one outer step.
+
+        The sum is divided by the larger of the round's weight and `expected_weight` (the
+        weight a full round would carry): a partial round then takes a partial step.
+        """
         rnd, started = self.round, time.perf_counter()
         assert rnd.delta_sum is not None and self.params is not None  # caller checked
-        mean = [acc.div_(rnd.weight_sum) for acc in rnd.delta_sum]
+        denominator = max(rnd.weight_sum, expected_weight)
+        mean = [acc.div_(denominator) for acc in rnd.delta_sum]
         self.apply_mean(mean)
         self.round = Round()
         self.last_mean = mean

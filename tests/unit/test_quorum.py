@@ -101,10 +101,12 @@ def test_stale_contribution_is_discounted_then_refused_past_the_bound() -> None:
     )
     push(agg, a, 0, 1.0)
     push(agg, b, 0, 1.0)  # K = 2 reached, no step times reported: no grace, closes
-    assert agg.version(0) == 1 and agg.params(0)[0][0] == -1.0
+    # Two of three live learners: a partial round takes 2/3 of the mean step.
+    assert agg.version(0) == 1 and float(agg.params(0)[0][0]) == pytest.approx(-2 / 3)
     push(agg, a, 1, 2.0)  # fresh
     push(agg, c, 0, 2.0)  # c missed version 1: one stale, counts half, weight in full
-    assert agg.params(0)[0][0] == -1.0 - (2.0 + 0.5 * 2.0) / 2
+    # Again two of three (b's last weight still expected): (2 + 0.5·2) / 3.
+    assert float(agg.params(0)[0][0]) == pytest.approx(-2 / 3 - (2.0 + 0.5 * 2.0) / 3)
     agg.leave(b)
     agg.leave(c)
     push(agg, a, 2, 0.0)
@@ -161,3 +163,43 @@ def test_delayed_nesterov_over_n_pushes_equals_one_nesterov_step_on_their_mean()
             delayed.step(p_delayed, g)
         nesterov.step(p_nesterov, [sum(g[0] for g in grads) / 3])
         torch.testing.assert_close(p_delayed[0], p_nesterov[0])
+
+
+def partial_round_setup(n: int, scale: bool = True):
+    """n learners in quorum mode, K = 1, a 10 s grace window; outer step = plain SGD."""
+    return make(
+        n,
+        mode="quorum",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        grace_min_s=10.0,
+        grace_max_s=10.0,
+        lease_s=100.0,
+        scale_partial_rounds=scale,
+    )
+
+
+@pytest.mark.parametrize("scale, expected", [(True, 0.25), (False, 1.0)])
+def test_a_partial_round_takes_a_partial_step(scale: bool, expected: float) -> None:
+    agg, sessions, clock = partial_round_setup(4, scale)
+    for s in sessions:  # a full round first: every learner now has a known weight
+        push(agg, s, 0, 1.0)
+    assert agg.version(0) == 1
+    before = agg.params(0)[0].clone()
+    push(agg, sessions[0], 1, 1.0)
+    clock.now = 11.0  # the grace window passes with 1 of 4 learners in the round
+    agg.tick()
+    assert agg.version(0) == 2
+    # θ ← θ - lr·mean(Δ): with scaling the missing three count as zero.
+    assert torch.equal(agg.params(0)[0], before - expected)
+
+
+def test_partial_rounds_weigh_learners_by_their_last_push() -> None:
+    agg, (a, b), clock = partial_round_setup(2)
+    push(agg, a, 0, 1.0, tokens=300, steps=10)  # w = 9000
+    push(agg, b, 0, 1.0, tokens=100, steps=10)  # w = 1000: closes with everyone
+    before = agg.params(0)[0].clone()
+    push(agg, b, 1, 1.0, tokens=100, steps=10)  # alone: 1000 of the usual 10000
+    clock.now = 11.0
+    agg.tick()
+    assert torch.allclose(agg.params(0)[0], before - 0.1)

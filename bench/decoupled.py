@@ -1,0 +1,170 @@
+"""Does quorum mode beat sync mode in wall-clock when one learner is slow and one keeps dying?
+
+    python bench/decoupled.py            # 2 x 240 s
+    python bench/decoupled.py --quick    # 2 x 100 s (under 5 minutes with start-up)
+
+K = 4 learners as real processes against a real server (deploy/chaos.py's Cluster, P = 2):
+learner-3 runs 2x slower (--slowdown 2), learner-2 is killed (kill -9) every --kill-every-s
+and restarted at once. The same setup runs in `sync` mode and in `quorum` mode (K = 1 plus
+the grace window). Reported for each mode:
+
+- the eval loss of the global parameters against wall-clock time, as logged by learner-0
+  (full speed, never killed; mean of its last 3 evaluations, since one eval set is small);
+- time to a target loss: the higher of the two modes' final losses, so both reach it;
+  speedup_quorum_vs_sync = time(sync) / time(quorum);
+- goodput = useful tokens / capacity tokens. Useful: tokens carried by closed rounds (the
+  server's log). Capacity: for each learner, its own compute speed (tokens per compute
+  second, its slowdown included) times the run's length less its evaluation time, i.e. what
+  it would have trained had it never waited, died or restarted.
+
+Writes bench/results/decoupled.json and decoupled.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deploy.chaos import Cluster, _stamp, round_times_and_tokens  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LEARNERS = 4
+FRAGMENTS = 2
+SLOW, KILLED, WATCHED = 3, 2, 0
+_EVAL = re.compile(r"eval_loss=([\d.]+)")
+
+
+def run_mode(mode: str, workdir: Path, duration_s: float, kill_every_s: float) -> dict:
+    cluster = Cluster(
+        workdir, LEARNERS, FRAGMENTS, mode=mode, learner_flags={SLOW: ["--slowdown", "2"]}
+    )
+    started = time.time()
+    cluster.start()
+    kills = 0
+    try:
+        next_kill = kill_every_s
+        while cluster.now() < duration_s:
+            if cluster.now() >= next_kill:
+                cluster.learners[KILLED].kill()
+                cluster.learners[KILLED].wait()
+                cluster.start_learner(KILLED)
+                kills += 1
+                next_kill += kill_every_s
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    ended = time.time()
+    _, round_tokens = round_times_and_tokens(workdir)
+    capacity = 0.0
+    for i in range(LEARNERS):
+        summary = json.loads((workdir / f"learner-{i}.json").read_text())
+        speed = summary["tokens"] / max(summary["compute_s"], 1e-9)
+        eval_share = summary["eval_s"] / max(summary["train_wall_s"], 1e-9)
+        capacity += speed * (ended - started) * (1 - eval_share)
+    return {
+        "mode": mode,
+        "kills": kills,
+        "wall_s": ended - started,
+        "curve": eval_curve(workdir / f"learner-{WATCHED}.log", started),
+        "useful_tokens": round_tokens // FRAGMENTS,
+        "capacity_tokens": int(capacity),
+        "goodput": round_tokens / FRAGMENTS / capacity,
+    }
+
+
+def eval_curve(log_path: Path, started: float) -> list[tuple[float, float]]:
+    """(seconds since start, mean of the last 3 eval losses) at each evaluation."""
+    points, recent = [], []
+    for line in log_path.read_text().splitlines():
+        match = _EVAL.search(line)
+        if match and "outer_step=" in line:
+            recent = [*recent[-2:], float(match.group(1))]
+            points.append((_stamp(line) - started, sum(recent) / len(recent)))
+    return points
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float:
+    return next((t for t, loss in curve if loss <= target), float("inf"))
+
+
+def plot(results: dict[str, dict], target: float, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing (pip install -e '.[bench]'): no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, result in results.items():
+        t, loss = zip(*result["curve"], strict=True)
+        ax.plot(t, loss, label=f"{mode} (goodput {result['goodput']:.2f})")
+    ax.axhline(target, color="grey", linestyle=":", label=f"target {target:.3f}")
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_ylabel("eval loss (global parameters, learner-0)")
+    ax.set_title("K=4, one learner 2x slower, one killed periodically")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration-s", type=float, default=240.0, help="per mode")
+    parser.add_argument("--kill-every-s", type=float, default=60.0)
+    parser.add_argument("--quick", action="store_true", help="100 s per mode, a kill every 40 s")
+    parser.add_argument("--out", type=Path, default=RESULTS / "decoupled.json")
+    args = parser.parse_args()
+    if args.quick:
+        args.duration_s, args.kill_every_s = 100.0, 40.0
+    root = Path(tempfile.mkdtemp(prefix="diloco-decoupled-"))
+    print(f"workdir {root}", flush=True)
+    results = {}
+    for mode in ("sync", "quorum"):
+        print(f"running {mode} for {args.duration_s:.0f} s", flush=True)
+        results[mode] = run_mode(mode, root / mode, args.duration_s, args.kill_every_s)
+    finals = {mode: r["curve"][-1][1] for mode, r in results.items()}
+    target = max(finals.values())
+    times = {mode: time_to(r["curve"], target) for mode, r in results.items()}
+    report = {
+        "quick": args.quick,
+        "duration_s": args.duration_s,
+        "kill_every_s": args.kill_every_s,
+        "target_eval_loss": target,
+        "final_eval_loss": finals,
+        "time_to_target_s": times,
+        "speedup_quorum_vs_sync": times["sync"] / times["quorum"],
+        "goodput_quorum": results["quorum"]["goodput"],
+        "goodput_sync": results["sync"]["goodput"],
+        "modes": results,
+    }
+    print(f"\n{'mode':<8} {'final loss':>10} {'t->target s':>12} {'goodput':>8} {'kills':>6}")
+    for mode, r in results.items():
+        print(
+            f"{mode:<8} {finals[mode]:>10.4f} {times[mode]:>12.1f} {r['goodput']:>8.3f} "
+            f"{r['kills']:>6}"
+        )
+    print(f"target {target:.4f}; speedup quorum vs sync {report['speedup_quorum_vs_sync']:.2f}x")
+    checks = {
+        "quorum >= 1.4x faster to target": report["speedup_quorum_vs_sync"] >= 1.4,
+        "quorum goodput >= 0.85": report["goodput_quorum"] >= 0.85,
+    }
+    for name, ok in checks.items():
+        print(f"{'PASS' if ok else 'FAIL'}: {name}")
+    report["checks"] = checks
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    plot(results, target, args.out.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
