@@ -43,3 +43,9 @@ class ResourceExhausted(DilocoError):
     """The request is larger than the server accepts."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class PermissionDenied(DilocoError):
+    """An authenticated learner acts for another learner (its session or its id)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

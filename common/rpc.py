@@ -1,7 +1,7 @@
-"""One place that sets message limits, keepalive and retries for servers and channels.
+"""One place that sets message limits, keepalive, retries and TLS for servers and channels.
 
-server, port = create_server("127.0.0.1:0")   # unstarted; port 0 picks a free port
-channel = create_channel(f"127.0.0.1:{port}")
+server, port = create_server("127.0.0.1:0", credentials)   # unstarted; port 0: a free port
+channel = create_channel(f"127.0.0.1:{port}", credentials)  # credentials None: plaintext
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.wire import CHUNK_BYTES
 
 SERVICE_NAME = "diloco.v1.Aggregator"
+# Metadata key naming the learner a call's token belongs to (server/auth.py).
+LEARNER_ID_HEADER = "x-diloco-learner-id"
 # Chunks are 1 MiB; leave room for headers and a few chunks batched by the transport.
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES + (64 << 10)
 
@@ -49,8 +51,14 @@ _RETRY_SERVICE_CONFIG = {
 }
 
 
-def create_server(listen: str, max_workers: int = 256) -> tuple[grpc.Server, int]:
-    """An unstarted gRPC server bound to `listen` (host:port) with the health service.
+def create_server(
+    listen: str,
+    credentials: grpc.ServerCredentials | None = None,
+    max_workers: int = 256,
+    interceptors: tuple[grpc.ServerInterceptor, ...] = (),
+) -> tuple[grpc.Server, int]:
+    """An unstarted gRPC server bound to `listen` (host:port) with the health service; TLS
+    with `credentials` (common/tls.py), plaintext without.
 
     Long-polling pulls each hold a thread while they wait, so the pool is sized for a few
     hundred learners rather than for CPU cores.
@@ -58,8 +66,12 @@ def create_server(listen: str, max_workers: int = 256) -> tuple[grpc.Server, int
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
         options=_SERVER_OPTIONS,
+        interceptors=interceptors,
     )
-    port = server.add_insecure_port(listen)
+    if credentials is None:
+        port = server.add_insecure_port(listen)
+    else:
+        port = server.add_secure_port(listen, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {listen}")
     health_servicer = health.HealthServicer()
@@ -69,7 +81,10 @@ def create_server(listen: str, max_workers: int = 256) -> tuple[grpc.Server, int
     return server, port
 
 
-def create_channel(target: str) -> grpc.Channel:
-    """A client channel with the same message limits, keepalive and a retry policy."""
+def create_channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A client channel with the same message limits, keepalive and a retry policy; TLS with
+    `credentials`, plaintext without."""
     options = [*_COMMON_OPTIONS, ("grpc.service_config", json.dumps(_RETRY_SERVICE_CONFIG))]
-    return grpc.insecure_channel(target, options=options)
+    if credentials is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, credentials, options=options)

@@ -52,6 +52,8 @@ MODEL_FLAGS = [
     "4",
     "--corpus-max-bytes",
     "1000000",
+    "--status-every-s",
+    "0",  # the checks read every outer step's line
 ]
 
 
@@ -115,6 +117,7 @@ class Cluster:
         self.server = subprocess.Popen(
             [
                 BIN / "diloco-server",
+                "--insecure",  # loopback only
                 "--listen",
                 f"127.0.0.1:{self.port}",
                 "--port-file",
@@ -145,6 +148,7 @@ class Cluster:
         self.learners[i] = subprocess.Popen(
             [
                 BIN / "diloco-learner",
+                "--insecure",
                 "--server",
                 f"127.0.0.1:{self.proxies[i].port}",
                 "--learner-id",

@@ -62,6 +62,7 @@ def main() -> int:
     server = subprocess.Popen(
         [
             *SERVER,
+            "--insecure",  # loopback only
             "--listen",
             "127.0.0.1:0",
             "--port-file",
@@ -86,7 +87,7 @@ def main() -> int:
                 "--summary-file": workdir / f"learner-{i}.json",
             }
             argv = [str(x) for pair in flags.items() for x in pair]
-            learners.append(subprocess.Popen([*LEARNER, *argv, *extra]))
+            learners.append(subprocess.Popen([*LEARNER, "--insecure", *argv, *extra]))
         codes = [p.wait() for p in learners]
     finally:
         for proc in [*learners, server]:

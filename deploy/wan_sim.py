@@ -134,7 +134,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
             port_file = workdir / f"{mode}-port"
             server = spawn(
                 "server",
-                in_ns(net.server_ns, "-m", "server.main", "--listen", "127.0.0.1:0",
+                in_ns(net.server_ns, "-m", "server.main", "--insecure", "--listen", "127.0.0.1:0",
                       "--port-file", str(port_file), *flags["server"]),
             )  # fmt: skip
             deadline = time.monotonic() + 60
@@ -155,7 +155,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
                 learners.append(
                     spawn(
                         f"learner{k}",
-                        in_ns(net.learner_ns[k - 1], "-m", "learner.main",
+                        in_ns(net.learner_ns[k - 1], "-m", "learner.main", "--insecure",
                               "--server", f"{SUBNET}.{k}.1:{GRPC_PORT}",
                               "--learner-id", f"wan-{k}",
                               "--duration-s", str(args.duration_s),

@@ -21,9 +21,17 @@ UNARY_TIMEOUT_S = 30.0
 class AggregatorClient:
     """One channel to the aggregator; thread-safe (sync and heartbeat run on other threads)."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(
+        self,
+        target: str,
+        credentials: grpc.ChannelCredentials | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        """`credentials`: TLS (common/tls.py); None connects in plaintext. `metadata` goes
+        with every call (the learner's token, server/auth.py)."""
         self.target = target
-        self._channel = create_channel(target)
+        self._metadata = metadata
+        self._channel = create_channel(target, credentials)
         self._stub = pb_grpc.AggregatorStub(self._channel)
         self.traffic = Traffic()
 
@@ -56,7 +64,9 @@ class AggregatorClient:
                 self.traffic.count(fid, sent=msg.ByteSize())
                 yield msg
 
-        response = self._stub.PushFragment(messages(), timeout=UNARY_TIMEOUT_S * 4)
+        response = self._stub.PushFragment(
+            messages(), timeout=UNARY_TIMEOUT_S * 4, metadata=self._metadata
+        )
         self.traffic.count(fid, received=response.ByteSize())
         return response
 
@@ -77,7 +87,9 @@ class AggregatorClient:
             wait_timeout_s=wait_timeout_s,
         )
         self.traffic.count(fragment_id, sent=request.ByteSize())
-        stream = self._stub.PullParams(request, timeout=wait_timeout_s + UNARY_TIMEOUT_S * 4)
+        stream = self._stub.PullParams(
+            request, timeout=wait_timeout_s + UNARY_TIMEOUT_S * 4, metadata=self._metadata
+        )
         header: pb.PullHeader | None = None
         payload = bytearray()
         for msg in stream:
@@ -101,6 +113,6 @@ class AggregatorClient:
         self._unary(self._stub.Leave, pb.LeaveRequest(session_id=session_id))
 
     def _unary(self, method, request):
-        response = method(request, timeout=UNARY_TIMEOUT_S)
+        response = method(request, timeout=UNARY_TIMEOUT_S, metadata=self._metadata)
         self.traffic.count(sent=request.ByteSize(), received=response.ByteSize())
         return response

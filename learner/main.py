@@ -20,8 +20,9 @@ import grpc
 
 from common.config import add_config_flags, config_from_args
 from common.metrics_http import serve_metrics
+from learner.config import LearnerConfig
 from learner.metrics import learner_registry
-from learner.trainer import Learner, LearnerConfig
+from learner.trainer import Learner
 
 
 def main() -> None:
@@ -43,7 +44,10 @@ def main() -> None:
     try:
         progress = learner.run(stop)
     except grpc.FutureTimeoutError:
-        sys.exit(f"diloco-learner: error: cannot reach the server at {config.server}")
+        sys.exit(
+            f"diloco-learner: error: cannot reach the server at {config.server} (is it up, "
+            "and do both sides agree on TLS or insecure?)"
+        )
     except grpc.RpcError as err:
         sys.exit(f"diloco-learner: error: the server answered {err.code().name}: {err.details()}")
     if config.save_params:

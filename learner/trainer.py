@@ -26,104 +26,19 @@ from pathlib import Path
 import grpc
 import torch
 
-from common.codec import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.metrics_http import check_listen
 from common.retry import RETRYABLE, Backoff, Stopped
+from common.rpc import LEARNER_ID_HEADER
+from common.tls import channel_credentials
 from common.wire import encode_fragment, params_crc32
 from learner.client import AggregatorClient
+from learner.config import LearnerConfig, resolve_device
 from learner.data import BatchSampler, load_text_corpus, load_token_file, stdlib_dir
-from learner.model import GPT, GPTConfig
+from learner.model import GPT
 from learner.streaming import FragmentReplica, Schedule, StreamingSync
 from learner.transport import GrpcTransport
 
 log = logging.getLogger("diloco.learner")
-
-
-@dataclass(kw_only=True)
-class LearnerConfig(GPTConfig):
-    server: str = "127.0.0.1:50051"
-    """host:port of the aggregator."""
-    learner_id: str = ""
-    """Unique name of this learner (default: hostname-pid)."""
-    sync_every_steps: int = 50
-    """H: inner steps between two pushes of the same fragment."""
-    overlap_steps: int = 1
-    """τ: inner steps a fragment's sync may travel before it is merged (0: wait at once)."""
-    merge_alpha: float = 0.5
-    """α in θ ← α·θ_local + (1−α)·θ_global at the merge (0: take the global value)."""
-    batch_size: int = 16
-    """Sequences per inner step."""
-    inner_lr: float = 1e-3
-    """AdamW learning rate."""
-    weight_decay: float = 0.1
-    """AdamW weight decay."""
-    push_codec: str = "fp4_e2m1"
-    """Codec of the pushed pseudo-gradients: fp4_e2m1, fp4_e3m0, bf16 or fp32."""
-    max_outer_steps: int = 0
-    """Stop after this many outer steps (0: no limit)."""
-    duration_s: float = 0.0
-    """Stop at the first outer step after this many seconds (0: no limit)."""
-    corpus: str = "stdlib"
-    """`stdlib` (this Python's library sources), a folder of text files, or a .bin token file."""
-    corpus_max_bytes: int = 4 << 20
-    """Read at most this many bytes of text per split."""
-    eval_batches: int = 8
-    """Validation batches evaluated after every outer step."""
-    seed: int = 0
-    """Seed of the model initialisation; the data order also mixes in the learner id."""
-    device: str = "auto"
-    """Where the model trains: `auto` (CUDA if available, else CPU), `cpu`, `cuda` or `cuda:N`.
-    Replicas of the global fragments stay on the CPU either way."""
-    torch_threads: int = 0
-    """Threads for torch (0: the CPU count divided by --learners-per-host)."""
-    slowdown: float = 1.0
-    """Simulate a slower island: each inner step takes this many times as long (>= 1)."""
-    learners_per_host: int = 1
-    """How many learners share this host, to size the default thread count."""
-    connect_timeout_s: float = 30.0
-    """Give up if the server cannot be reached for this long at start."""
-    metrics_listen: str = ""
-    """host:port for the Prometheus endpoint (/metrics), e.g. 0.0.0.0:9101; empty: off."""
-    metrics_port_file: str = ""
-    """If set, write the bound metrics port to this file (for launchers using port 0)."""
-    summary_file: str = ""
-    """If set, write the final summary as JSON here."""
-    save_params: str = ""
-    """If set, save the final model parameters here (torch.save of a name -> tensor dict)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.push_codec not in CODECS:
-            raise ValueError(
-                f"push_codec must be one of {', '.join(CODECS)}, got {self.push_codec!r}"
-            )
-        positive = ("sync_every_steps", "batch_size", "eval_batches", "learners_per_host")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_outer_steps", "duration_s", "torch_threads", "corpus_max_bytes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.slowdown >= 1:
-            raise ValueError(f"slowdown must be >= 1, got {self.slowdown}")
-        if not 0 <= self.merge_alpha <= 1:
-            raise ValueError(f"merge_alpha must be in [0, 1], got {self.merge_alpha}")
-        if not 0 <= self.overlap_steps < self.sync_every_steps:
-            raise ValueError(
-                f"overlap_steps must be in [0, sync_every_steps), got {self.overlap_steps}"
-            )
-        if not self.inner_lr > 0:
-            raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")
-        if ":" not in self.server:
-            raise ValueError(f"server must be host:port, got {self.server!r}")
-        if not self.learner_id:
-            self.learner_id = f"{os.uname().nodename}-{os.getpid()}"
-        resolve_device(self.device)  # fails here, in one sentence, for a bad or absent device
-        check_listen("metrics_listen", self.metrics_listen)
-
-    def model_config(self) -> GPTConfig:
-        return GPTConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(GPTConfig)})
 
 
 @dataclass
@@ -175,7 +90,12 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay
         )
-        self.client = AggregatorClient(config.server)
+        credentials = (
+            None
+            if config.insecure
+            else channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+        )
+        self.client = AggregatorClient(config.server, credentials, _auth_metadata(config))
         self.transport = GrpcTransport(self.client, lambda: self.session_id)
         self.progress = Progress(learner_id=config.learner_id)
         self.session_id = ""
@@ -186,6 +106,7 @@ class Learner:
         self.server_versions: list[int] = []  # per fragment, from the last heartbeat
         self._resync = threading.Event()  # set when the session is gone: join and re-sync
         self._rejoin_backoff = Backoff()
+        self._status = _StatusClock()
         self._next_rejoin_s = 0.0
 
     # -- the loop --------------------------------------------------------------------------
@@ -416,15 +337,24 @@ class Learner:
         self.progress.eval_losses.append(loss)
         self.progress.eval_s += time.perf_counter() - started
         p = self.progress
+        tokens_per_s, last_sync_s = self._status.due(
+            self.config.status_every_s, p.tokens, self.sync.stats.syncs
+        )
+        if tokens_per_s is None:
+            return
         log.info(
-            "learner=%s outer_step=%d versions=%s eval_loss=%.4f train_loss=%.4f tokens=%d "
-            "blocked_s=%.2f sent_bytes=%d received_bytes=%d",
+            "learner=%s outer_step=%d step=%d versions=%s eval_loss=%.4f train_loss=%.4f "
+            "tokens=%d tokens_per_s=%.0f last_sync_s_ago=%.1f blocked_s=%.2f sent_bytes=%d "
+            "received_bytes=%d",
             p.learner_id,
             p.outer_steps,
+            p.inner_steps,
             [r.version for r in self.sync.replicas],
             loss,
             p.last_loss,
             p.tokens,
+            tokens_per_s,
+            last_sync_s,
             self.sync.stats.blocked_s,
             self.client.traffic.sent,
             self.client.traffic.received,
@@ -447,24 +377,42 @@ class Learner:
         torch.save({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}, path)
 
 
-def resolve_device(name: str) -> torch.device:
-    """The torch device for a --device value; raises ValueError for one this host lacks."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+class _StatusClock:
+    """When the next status line is due, and the rates it reports since the last one."""
+
+    def __init__(self) -> None:
+        self.last_s = -math.inf
+        self.last_tokens = 0
+        self.syncs = -1
+        self.last_sync_s = time.monotonic()
+
+    def due(self, every_s: float, tokens: int, syncs: int) -> tuple[float | None, float]:
+        """(tokens/s since the last line, seconds since the last merged sync) if a line is
+        due now, else (None, ...)."""
+        now = time.monotonic()
+        if syncs != self.syncs:
+            self.syncs, self.last_sync_s = syncs, now
+        if now - self.last_s < every_s:
+            return None, 0.0
+        elapsed = now - self.last_s
+        rate = (tokens - self.last_tokens) / elapsed if math.isfinite(elapsed) else 0.0
+        self.last_s, self.last_tokens = now, tokens
+        return rate, now - self.last_sync_s
+
+
+def _auth_metadata(config: LearnerConfig) -> tuple[tuple[str, str], ...]:
+    """The learner id and token that go with every call (server/auth.py); none if unset."""
+    if not config.auth_token_file:
+        return ()
     try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}") from err
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} requested but this host has no usable CUDA GPU")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {name!r} requested but this host has {torch.cuda.device_count()} GPU(s)"
-            )
-    return device
+        token = Path(config.auth_token_file).read_text().strip()
+    except OSError as err:
+        raise ValueError(
+            f"cannot read auth_token_file {config.auth_token_file}: {err.strerror}"
+        ) from err
+    if not token:
+        raise ValueError(f"auth_token_file {config.auth_token_file} is empty")
+    return ((LEARNER_ID_HEADER, config.learner_id), ("authorization", f"Bearer {token}"))
 
 
 def _load_corpus(config: LearnerConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,7 @@ import math
 import secrets
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from server.durable import LogRecord, StateStore
 from server.events import AggregatorEvents
 from server.fragment import FragmentState, PullResult, Round
 from server.outer import DelayedNesterov, NesterovOuter
-from server.policy import contribution_weight, grace_window_s, staleness_discount
+from server.policy import NormGuard, contribution_weight, grace_window_s, staleness_discount
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class Aggregator:
         self._store = StateStore(config.state_dir) if config.state_dir else None
         self._rounds_since_snapshot = 0
         self._last_weight: dict[str, float] = {}  # learner -> weight of its last push
+        self._norm_guards: defaultdict[int, NormGuard] = defaultdict(
+            lambda: NormGuard(config.max_norm_ratio)
+        )  # per fragment
         if self._store is not None:
             self._restore(self._store)
 
@@ -219,6 +223,12 @@ class Aggregator:
             _check_magnitude(tensors)
             if tokens < 0 or inner_steps < 0:
                 raise InvalidArgument("tokens and inner_steps must be >= 0")
+            norm = math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+            guard = self._norm_guards[fragment_id]
+            try:
+                guard.check(norm)
+            except ValueError as err:
+                raise FailedPrecondition(f"push refused: {err}") from err
             try:
                 weight = contribution_weight(self.config.weighting, tokens, inner_steps)
             except ValueError as err:
@@ -227,6 +237,7 @@ class Aggregator:
             fragment.add(session.learner_id, tensors, tokens, weight, discount)
             fragment.last_push_base[session.learner_id] = base_version
             self._last_weight[session.learner_id] = weight
+            guard.record(norm)
             self.events.contribution(fragment.version - base_version)
             rnd = fragment.round
             if rnd.opened_at is None:
@@ -244,6 +255,11 @@ class Aggregator:
             )
             self._maybe_close(fragment)
             return round_version
+
+    def session_learner(self, session_id: str) -> str:
+        """The learner id that opened the session; NotFound when there is none."""
+        with self._cond:
+            return self._session(session_id).learner_id
 
     def has_fragment(self, fragment_id: int) -> bool:
         with self._cond:

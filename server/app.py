@@ -1,6 +1,6 @@
 """The running aggregator service: gRPC server, servicer, health, reflection and lease reaper.
 
-    service = AggregatorService(ServerConfig(listen="127.0.0.1:0"))
+    service = AggregatorService(ServerConfig(listen="127.0.0.1:0", insecure=True))
     service.start()            # service.port is the bound port
     ...
     service.stop()
@@ -15,13 +15,16 @@ import os
 import threading
 from dataclasses import dataclass
 
+import grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.metrics_http import check_listen
 from common.rpc import SERVICE_NAME, create_server
+from common.tls import server_credentials
 from server.aggregator import Aggregator, AggregatorConfig
+from server.auth import TokenAuth
 from server.metrics import ServerMetrics
 from server.servicer import AggregatorServicer
 
@@ -42,12 +45,36 @@ class ServerConfig(AggregatorConfig):
     """host:port for the Prometheus endpoint (/metrics), e.g. 0.0.0.0:9100; empty: off."""
     metrics_port_file: str = ""
     """If set, write the bound metrics port to this file (for launchers using port 0)."""
+    tls_cert: str = ""
+    """PEM certificate chain the server presents (with tls_key): serve over TLS."""
+    tls_key: str = ""
+    """PEM private key of tls_cert."""
+    tls_client_ca: str = ""
+    """PEM CA that must have signed every learner's client certificate (mutual TLS)."""
+    insecure: bool = False
+    """Serve in plaintext, without TLS: only on a trusted network (logs a warning)."""
+    auth_token_file: str = ""
+    """Per-learner tokens (`diloco-token add FILE ID`); SIGHUP reloads. Empty: off."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         check_listen("metrics_listen", self.metrics_listen)
+        tls = bool(self.tls_cert or self.tls_key or self.tls_client_ca)
+        if self.insecure and tls:
+            raise ValueError("insecure and tls_* settings exclude each other: choose one")
+        if not self.insecure and not (self.tls_cert and self.tls_key):
+            raise ValueError(
+                "set tls_cert and tls_key to serve over TLS, or insecure to serve in "
+                "plaintext (trusted networks only)"
+            )
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        """The TLS credentials to serve with; None when insecure."""
+        if self.insecure:
+            return None
+        return server_credentials(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 class AggregatorService:
@@ -57,7 +84,16 @@ class AggregatorService:
         self.config = config
         self.metrics = ServerMetrics()
         self.aggregator = Aggregator(config, events=self.metrics)
-        self._server, self.port = create_server(config.listen)
+        if config.insecure:
+            log.warning(
+                "serving WITHOUT TLS (insecure): anyone who can reach %s can read and send "
+                "parameters; use tls_cert/tls_key outside a trusted network",
+                config.listen,
+            )
+        self.auth = TokenAuth(config.auth_token_file) if config.auth_token_file else None
+        self._server, self.port = create_server(
+            config.listen, config.credentials(), interceptors=(self.auth,) if self.auth else ()
+        )
         self.servicer = AggregatorServicer(self.aggregator)
         self.metrics.watch(self.aggregator, self.servicer)
         pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)

@@ -28,6 +28,9 @@ class AggregatorConfig:
     """quorum: the longest grace window."""
     weighting: str = ""
     """equal, tokens or tokens_squared_per_step (default: equal in sync mode, else the last)."""
+    max_norm_ratio: float = 10.0
+    """Refuse a push whose pseudo-gradient norm exceeds this many times the median of the
+    fragment's recent accepted pushes (a poisoned or exploding update); 0: off."""
     scale_partial_rounds: bool = True
     """quorum: a round that carries only part of the live learners' usual weight moves the
     model by that part (missing work counts as zero), so closing rounds early and often does
@@ -72,6 +75,8 @@ class AggregatorConfig:
             raise ValueError("grace_steps, max_staleness and async_momentum_every must be >= 0")
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if not self.max_norm_ratio >= 0:
+            raise ValueError(f"max_norm_ratio must be >= 0, got {self.max_norm_ratio}")
         if self.min_contributors < 1:
             raise ValueError(f"min_contributors must be >= 1, got {self.min_contributors}")
         if not self.outer_lr > 0:

@@ -32,13 +32,24 @@ def main() -> None:
                 config.metrics_listen, service.metrics.registry, config.metrics_port_file
             )
             logging.getLogger("diloco.server").info("metrics on port %d at /metrics", port)
-    except OSError as err:  # e.g. a port already in use
+    except (OSError, ValueError) as err:  # a port in use, an unreadable certificate
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     service.start()
+    if service.auth is not None:
+        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service))
     try:
         stop.wait()
     finally:
         service.stop()
+
+
+def reload_tokens(service: AggregatorService) -> None:
+    """SIGHUP: re-read the token file, so an edited file revokes or adds learners."""
+    log = logging.getLogger("diloco.server")
+    try:
+        log.info("auth: reloaded %d learner tokens", service.auth.reload())
+    except ValueError as err:
+        log.error("auth: token file not reloaded, keeping the old tokens: %s", err)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ shrinks the step rather than steering it.
 
 from __future__ import annotations
 
+import math
 import statistics
+from collections import deque
 from collections.abc import Iterable
 
 MODES = ("sync", "quorum", "async")
@@ -46,3 +48,32 @@ def grace_window_s(
     if not reported:
         return min_s
     return min(max(grace_steps * statistics.median(reported), min_s), max_s)
+
+
+class NormGuard:
+    """Refuses a pseudo-gradient whose norm is far above the recent median for its fragment.
+
+    A poisoned or exploding update would otherwise move the global model arbitrarily far in
+    one round. The first `warmup` pushes are only recorded: there is no median to compare to.
+    """
+
+    def __init__(self, max_ratio: float, window: int = 32, warmup: int = 4) -> None:
+        self.max_ratio = max_ratio
+        self.warmup = warmup
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def check(self, norm: float) -> None:
+        """Raise ValueError (with the reason) if `norm` is out of bounds; records nothing."""
+        if not math.isfinite(norm):
+            raise ValueError("pseudo-gradient norm is not finite")
+        if self.max_ratio <= 0 or len(self._recent) < self.warmup:
+            return
+        median = statistics.median(self._recent)
+        if median > 0 and norm > self.max_ratio * median:
+            raise ValueError(
+                f"pseudo-gradient norm {norm:.4g} is {norm / median:.1f}x the recent median "
+                f"{median:.4g} (max_norm_ratio {self.max_ratio:g})"
+            )
+
+    def record(self, norm: float) -> None:
+        self._recent.append(norm)

@@ -13,12 +13,13 @@ import math
 import threading
 from collections.abc import Iterator
 
-from common.errors import DilocoError, InvalidArgument
+from common.errors import DilocoError, InvalidArgument, PermissionDenied
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.traffic import NO_FRAGMENT, Traffic
 from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
 from server.aggregator import Aggregator, ParamSpec
+from server.auth import authenticated_learner
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,18 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         with self._push_results_lock:
             return dict(self.push_results)
 
+    def _check_caller(self, session_id: str = "", learner_id: str = "") -> None:
+        """With authentication on, a learner may act only as itself (server/auth.py)."""
+        caller = authenticated_learner()
+        if caller is None:
+            return
+        owner = learner_id or self.aggregator.session_learner(session_id)
+        if owner != caller:
+            raise PermissionDenied(f"learner {caller} may not act as learner {owner}")
+
     @_abort_on_domain_error
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
+        self._check_caller(learner_id=request.learner_id or "(empty)")
         fingerprint = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in request.fingerprint]
         result = self.aggregator.join(request.learner_id, fingerprint)
         response = pb.JoinResponse(
@@ -83,6 +94,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             raise InvalidArgument("a push must start with a header message")
         header = first.header
         fid = header.fragment_id
+        self._check_caller(session_id=header.session_id)
         self.traffic.count(self._traffic_key(fid), received=first.ByteSize())
         agg = self.aggregator
         if header.kind not in (pb.PUSH_KIND_DELTA, pb.PUSH_KIND_INITIAL):
@@ -114,6 +126,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def PullParams(self, request: pb.PullParamsRequest, context):
         agg, fid = self.aggregator, request.fragment_id
         self.traffic.count(self._traffic_key(fid), received=request.ByteSize())
+        self._check_caller(session_id=request.session_id)
         agg.heartbeat(request.session_id)  # authenticates the session and renews its lease
         if request.wait_for_version > agg.version(fid):
             asked = request.wait_timeout_s
@@ -131,6 +144,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_abort_on_domain_error
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        self._check_caller(session_id=request.session_id)
         versions, live = self.aggregator.heartbeat(
             request.session_id, request.step, request.tokens, request.loss, request.step_time_s
         )
@@ -144,6 +158,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_abort_on_domain_error
     def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveResponse:
+        self._check_caller(session_id=request.session_id)
         self.aggregator.leave(request.session_id)
         self.traffic.count(received=request.ByteSize())
         return pb.LeaveResponse()

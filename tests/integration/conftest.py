@@ -35,6 +35,9 @@ TINY_LEARNER_FLAGS = [
     "1",
     "--connect-timeout-s",
     "30",
+    "--status-every-s",
+    "0",  # tests wait for every outer step's log line
+    "--insecure",
 ]
 
 
@@ -44,7 +47,8 @@ def start_service() -> Iterator[Callable[..., AggregatorService]]:
     services: list[AggregatorService] = []
 
     def start(**config) -> AggregatorService:
-        service = AggregatorService(ServerConfig(listen="127.0.0.1:0", **config))
+        tls = any(key.startswith("tls_") for key in config)
+        service = AggregatorService(ServerConfig(listen="127.0.0.1:0", insecure=not tls, **config))
         service.start()
         services.append(service)
         return service

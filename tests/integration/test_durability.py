@@ -38,7 +38,10 @@ def start_server(
     ]
     log = open(tmp_path / f"{name}.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.main", *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        [sys.executable, "-m", "server.main", "--insecure", *argv],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     for _ in range(600):  # bounded: the port file appears once the server serves
         if port_file.exists():

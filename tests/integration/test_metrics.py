@@ -68,6 +68,7 @@ def daemons(tmp_path: Path) -> Iterator[dict[str, int]]:
     try:
         server = spawn(
             "server.main",
+            "--insecure",
             "--listen",
             "127.0.0.1:0",
             "--port-file",

@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from common.config import add_config_flags, config_from_args
-from learner.trainer import LearnerConfig
+from learner.config import LearnerConfig
 from server.app import ServerConfig
 
 
 def build(argv: list[str], environ: dict[str, str]) -> ServerConfig:
     parser = argparse.ArgumentParser(prog="diloco-server")
     add_config_flags(parser, ServerConfig)
+    environ = {"DILOCO_INSECURE": "1", **environ}  # TLS is tested in test_tls.py
     return config_from_args(parser, ServerConfig, parser.parse_args(argv), environ)
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from common.config import ENV_PREFIX, resolve_values
-from learner.trainer import LearnerConfig
+from learner.config import LearnerConfig
 from server.app import ServerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -152,3 +152,26 @@ def test_grafana_provisioning_points_at_the_dashboard_and_prometheus() -> None:
     uids = {p["datasource"]["uid"] for p in dashboard["panels"]}
     assert uids == {source["uid"]}
     assert source["url"].endswith(":9090")
+
+
+@pytest.mark.parametrize(
+    "kind, name, secret",
+    [
+        ("StatefulSet", "diloco-server", "diloco-server-tls"),
+        ("Deployment", "diloco-learner", "diloco-learner-tls"),
+    ],
+)
+def test_k8s_tls_files_come_from_the_secret(kind: str, name: str, secret: str) -> None:
+    objects = k8s_objects()
+    pod = objects[(kind, name)]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    config = config_of(container["command"][0], pod_env(container))
+    assert not config.insecure
+    volume = next(v for v in pod["volumes"] if v["secret"]["secretName"] == secret)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
+    keys = objects[("Secret", secret)]["stringData"]
+    paths = [config.tls_cert, config.tls_key]
+    paths.append(config.tls_client_ca if name == "diloco-server" else config.tls_ca)
+    for path in paths:
+        folder, _, key = path.rpartition("/")
+        assert folder == mount["mountPath"] and key in keys

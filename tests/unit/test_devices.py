@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from common.codec import decode, encode
-from learner.trainer import resolve_device
+from learner.config import resolve_device
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -203,3 +203,31 @@ def test_partial_rounds_weigh_learners_by_their_last_push() -> None:
     clock.now = 11.0
     agg.tick()
     assert torch.allclose(agg.params(0)[0], before - 0.1)
+
+
+def test_an_exploding_push_is_refused_and_changes_nothing() -> None:
+    agg, (a, b), _ = make(2, mode="sync", max_norm_ratio=10.0)
+    for version in range(4):  # four normal rounds: norms 2, 2, 2, ... (|[1,1,1,1]| = 2)
+        push(agg, a, version, 1.0)
+        push(agg, b, version, 1.0)
+    before = [t.clone() for t in agg.params(0)]
+    push(agg, a, 4, 1.0)
+    with pytest.raises(FailedPrecondition, match=r"50\.0x the recent median"):
+        push(agg, b, 4, 50.0)  # norm 100 = 50x the median
+    assert agg.version(0) == 4 and torch.equal(agg.params(0)[0], before[0])
+    push(agg, b, 4, 5.0)  # 5x: within the bound, accepted; the round closes
+    assert agg.version(0) == 5
+
+
+def test_norm_guard_off_and_warmup() -> None:
+    from server.policy import NormGuard
+
+    guard = NormGuard(max_ratio=0.0)
+    for _ in range(10):
+        guard.record(1.0)
+    guard.check(1e9)  # off: anything finite passes
+    with pytest.raises(ValueError, match="not finite"):
+        guard.check(float("inf"))
+    warming = NormGuard(max_ratio=2.0, warmup=4)
+    warming.record(1.0)
+    warming.check(100.0)  # not enough history yet

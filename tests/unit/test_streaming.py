@@ -175,3 +175,17 @@ def test_a_learner_starting_mid_schedule_claims_only_its_own_steps() -> None:
     )
     sync.push_phase(40)
     assert transport.log == [("push", 0, 50)]  # 5 steps, not 40
+
+
+def test_status_lines_are_rate_limited() -> None:
+    from learner.trainer import _StatusClock
+
+    clock = _StatusClock()
+    rate, _ = clock.due(10.0, tokens=100, syncs=0)
+    assert rate is not None  # the first line is always due
+    assert clock.due(10.0, tokens=200, syncs=1)[0] is None  # 10 s have not passed
+    clock.last_s -= 10.0  # as if 10 s had passed
+    rate, since_sync = clock.due(10.0, tokens=300, syncs=1)
+    assert rate is not None and 19.0 < rate <= 20.0  # 200 tokens in ~10 s
+    assert since_sync < 1.0  # the sync count changed at the previous call
+    assert clock.due(0.0, tokens=300, syncs=1)[0] is not None  # 0: every outer step

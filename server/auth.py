@@ -1,0 +1,176 @@
+"""Per-learner tokens: who may call the aggregator, and as which learner.
+
+    diloco-token add tokens.txt dc1-node0              # prints a new token once
+    diloco-server --auth-token-file tokens.txt ...     # SIGHUP reloads the file
+
+The token file holds one line per learner, `learner_id sha256$salt$digest`: only a salted
+hash of each token, never the token. Learners send `x-diloco-learner-id` and
+`authorization: Bearer TOKEN` metadata on every call. The server's interceptor refuses any
+call to the Aggregator service (health checks are exempt) whose token does not match the
+learner id, with UNAUTHENTICATED, and makes the verified id available to the servicer, which
+refuses with PERMISSION_DENIED a call that acts for another learner's session. Tokens are
+random 256-bit secrets, so one round of salted SHA-256 is enough (no password stretching).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import hmac
+import os
+import secrets
+import sys
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME
+
+_authenticated: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "authenticated_learner", default=None
+)
+
+
+def authenticated_learner() -> str | None:
+    """The learner id the current call proved, or None when authentication is off."""
+    return _authenticated.get()
+
+
+def hash_token(token: str, salt: str | None = None) -> str:
+    salt = salt or secrets.token_hex(16)
+    digest = hashlib.sha256(f"{salt}:{token}".encode()).hexdigest()
+    return f"sha256${salt}${digest}"
+
+
+def parse_token_file(path: str) -> dict[str, str]:
+    """learner id -> stored hash; raises ValueError naming the line that is malformed."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        raise ValueError(f"cannot read auth_token_file {path}: {err.strerror}") from err
+    entries: dict[str, str] = {}
+    for number, line in enumerate(lines, start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2 or parts[1].count("$") != 2 or not parts[1].startswith("sha256$"):
+            raise ValueError(f"{path} line {number}: expected 'learner_id sha256$salt$digest'")
+        entries[parts[0]] = parts[1]
+    return entries
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    """Checks every Aggregator call's token; reload() re-reads the file (revocation)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._entries = parse_token_file(path)
+
+    def reload(self) -> int:
+        """Re-read the token file; a bad file keeps the old tokens. Returns the count."""
+        entries = parse_token_file(self.path)
+        with self._lock:
+            self._entries = entries
+        return len(entries)
+
+    def verify(self, learner_id: str, token: str) -> bool:
+        with self._lock:
+            stored = self._entries.get(learner_id)
+        if stored is None:
+            return False
+        _, salt, _ = stored.split("$")
+        return hmac.compare_digest(hash_token(token, salt), stored)
+
+    def intercept_service(self, continuation: Callable, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler  # health, reflection: open
+        metadata = dict(handler_call_details.invocation_metadata)
+        learner_id = metadata.get(LEARNER_ID_HEADER, "")
+        bearer = metadata.get("authorization", "")
+        token = bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else ""
+        if not (learner_id and token and self.verify(learner_id, token)):
+            return _refuse(handler, "missing or invalid learner token")
+        return _as_learner(handler, learner_id)
+
+
+def _refuse(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
+    def abort(request_or_iterator, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    return _replace(handler, lambda _: abort)
+
+
+def _as_learner(handler: grpc.RpcMethodHandler, learner_id: str) -> grpc.RpcMethodHandler:
+    def wrap(behavior):
+        if handler.response_streaming:
+
+            def streaming(request, context):
+                token = _authenticated.set(learner_id)
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    with contextlib.suppress(ValueError):  # closed from another context
+                        _authenticated.reset(token)
+
+            return streaming
+
+        def unary(request_or_iterator, context):
+            token = _authenticated.set(learner_id)
+            try:
+                return behavior(request_or_iterator, context)
+            finally:
+                _authenticated.reset(token)
+
+        return unary
+
+    return _replace(handler, wrap)
+
+
+def _replace(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+    kinds = {
+        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    }
+    attr, make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(
+        wrap(getattr(handler, attr)),
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def add_token(path: str, learner_id: str) -> str:
+    """Append a fresh token for `learner_id` to the file (replacing an old one); returns it."""
+    if not learner_id or any(c.isspace() for c in learner_id):
+        raise ValueError("learner_id must be non-empty and without spaces")
+    entries = parse_token_file(path) if os.path.exists(path) else {}
+    token = secrets.token_urlsafe(32)
+    entries[learner_id] = hash_token(token)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write("# learner_id sha256$salt$digest (server/auth.py); edit and SIGHUP to revoke\n")
+        f.writelines(f"{lid} {stored}\n" for lid, stored in entries.items())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return token
+
+
+def main() -> None:
+    if len(sys.argv) != 4 or sys.argv[1] != "add":
+        sys.exit("usage: diloco-token add TOKEN_FILE LEARNER_ID   (prints the new token)")
+    try:
+        print(add_token(sys.argv[2], sys.argv[3]))
+    except ValueError as err:
+        sys.exit(f"server.auth: error: {err}")
+
+
+if __name__ == "__main__":
+    main()

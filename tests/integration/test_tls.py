@@ -1,0 +1,125 @@
+"""TLS and mutual TLS between learners and the server, with throwaway certificates.
+
+Certificates are made at run time with the openssl command-line tool (elliptic-curve keys,
+valid for one day); no key is committed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.tls import channel_credentials
+from learner.client import AggregatorClient
+from server.app import ServerConfig
+from tests.integration.conftest import REPO, TINY_LEARNER_FLAGS
+
+SPECS = [pb.ParamSpec(name="w", shape=[4], dtype="float32")]
+EC_KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_ca(folder: Path, name: str) -> None:
+    openssl(
+        "req", "-x509", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.crt",
+        "-days", "1", "-subj", f"/CN={name}", cwd=folder,
+    )  # fmt: skip
+
+
+def make_cert(folder: Path, name: str, ca: str, san: str) -> None:
+    openssl(
+        "req", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
+        cwd=folder,
+    )  # fmt: skip
+    (folder / f"{name}.ext").write_text(f"subjectAltName={san}\n")
+    openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
+        "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", f"{name}.ext",
+        cwd=folder,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("pki")
+    make_ca(folder, "ca")
+    make_ca(folder, "rogue-ca")
+    make_cert(folder, "server", "ca", "IP:127.0.0.1,DNS:localhost")
+    make_cert(folder, "learner", "ca", "DNS:learner")
+    make_cert(folder, "intruder", "rogue-ca", "DNS:intruder")
+    return folder
+
+
+def connects(port: int, credentials: grpc.ChannelCredentials | None) -> bool:
+    client = AggregatorClient(f"127.0.0.1:{port}", credentials)
+    try:
+        client.wait_ready(3)
+        client.join("probe", SPECS)
+        return True
+    except (grpc.FutureTimeoutError, grpc.RpcError):
+        return False
+    finally:
+        client.close()
+
+
+def test_tls_server_accepts_only_clients_that_verify_it(start_service, pki: Path) -> None:
+    service = start_service(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"))
+    assert connects(service.port, channel_credentials(str(pki / "ca.crt")))
+    assert not connects(service.port, None)  # plaintext to a TLS server
+    assert not connects(service.port, channel_credentials(str(pki / "rogue-ca.crt")))
+
+
+def test_mutual_tls_requires_a_certificate_from_the_ca(start_service, pki: Path) -> None:
+    service = start_service(
+        tls_cert=str(pki / "server.crt"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.crt"),
+    )
+    ca = str(pki / "ca.crt")
+    assert connects(service.port, channel_credentials(ca, *pem_pair(pki, "learner")))
+    assert not connects(service.port, channel_credentials(ca))  # no client certificate
+    assert not connects(service.port, channel_credentials(ca, *pem_pair(pki, "intruder")))
+
+
+def pem_pair(pki: Path, name: str) -> tuple[str, str]:
+    return str(pki / f"{name}.crt"), str(pki / f"{name}.key")
+
+
+def test_a_learner_process_trains_over_mutual_tls(start_service, pki: Path) -> None:
+    service = start_service(
+        tls_cert=str(pki / "server.crt"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.crt"),
+    )
+    flags = [f for f in TINY_LEARNER_FLAGS if f != "--insecure"]
+    cert, key = pem_pair(pki, "learner")
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "learner.main", "--server", f"127.0.0.1:{service.port}",
+            "--learner-id", "tls-learner", *flags, "--max-outer-steps", "2",
+            "--tls-ca", str(pki / "ca.crt"), "--tls-cert", cert, "--tls-key", key,
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "outer_steps=2" in result.stdout
+    assert service.aggregator.version(0) >= 2
+
+
+def test_plaintext_is_never_the_silent_default(pki: Path) -> None:
+    with pytest.raises(ValueError, match="or insecure to serve in plaintext"):
+        ServerConfig(listen="127.0.0.1:0")
+    with pytest.raises(ValueError, match="exclude each other"):
+        ServerConfig(listen="127.0.0.1:0", insecure=True, tls_cert=str(pki / "server.crt"))
+    with pytest.raises(ValueError, match="cannot read tls_key file"):
+        ServerConfig(listen="127.0.0.1:0", tls_cert="/nope.crt", tls_key="/nope.key").credentials()
+    with pytest.raises(ValueError, match="is not PEM"):
+        channel_credentials(str(pki / "server.ext"))
