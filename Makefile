@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick \
-	compose-smoke wan-sim
+	compose-smoke wan-sim bench-decoupled bench-load
 
 install: $(STAMP)
 
@@ -42,6 +42,12 @@ bench-quality: $(BENCH_STAMP)
 
 bench-quality-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/quality.py --quick
+
+bench-decoupled: $(BENCH_STAMP)
+	$(BIN)/python bench/decoupled.py
+
+bench-load: $(STAMP)
+	$(BIN)/python bench/load.py
 
 # Needs a Docker engine and docker-compose (see deploy/compose_smoke.py); not run in CI.
 compose-smoke: $(STAMP)

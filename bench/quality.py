@@ -205,11 +205,17 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="shortened run, <= 5 minutes")
     parser.add_argument("--workers", type=int, default=2, help="variants run in parallel")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--device", default="cpu", help="where the models train (cpu, cuda)")
+    parser.add_argument(
+        "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
+    )
     args = parser.parse_args()
     h_values, fragments, tuning_h = [10, 20, 50], 4, 50
-    setup = Setup()
+    setup = Setup(device=args.device, n_embd=args.n_embd)
     if args.quick:
-        setup = Setup(steps=150, eval_every=50, eval_batches=8)
+        setup = Setup(
+            steps=150, eval_every=50, eval_batches=8, device=args.device, n_embd=args.n_embd
+        )
     todo = variants(h_values, fragments, tuning_h, tune=not args.quick)
     print(f"setup: {asdict(setup)}\nvariants: {len(todo)}, workers: {args.workers}", flush=True)
     started = time.perf_counter()

@@ -40,6 +40,7 @@ class Setup:
     eval_batches: int = 32
     corpus_max_bytes: int = 4 << 20
     seed: int = 0
+    device: str = "cpu"  # where the models train; the aggregator always runs on the CPU
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(
@@ -113,7 +114,7 @@ def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
     eval_set = BatchSampler(val, setup.batch_size, setup.block_size, seed=1234)
     eval_batches = [eval_set.next() for _ in range(setup.eval_batches)]
     torch.manual_seed(setup.seed)
-    model = GPT(setup.model_config())
+    model = GPT(setup.model_config()).to(setup.device)
     if variant.kind == "dp":
         result = _run_data_parallel(setup, variant, model, train, eval_batches)
     else:
@@ -125,7 +126,8 @@ def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
 def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     model.eval()
     with torch.no_grad():
-        losses = [model(x, y)[1].item() for x, y in batches]
+        device = next(model.parameters()).device
+        losses = [model(x.to(device), y.to(device))[1].item() for x, y in batches]
     model.train()
     return sum(losses) / len(losses)
 
@@ -135,7 +137,8 @@ def _optimizer(setup: Setup, model: GPT) -> torch.optim.Optimizer:
 
 
 def _step(model: GPT, optimizer: torch.optim.Optimizer, batch) -> None:
-    _, loss = model(*batch)
+    device = next(model.parameters()).device
+    _, loss = model(*(t.to(device) for t in batch))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -179,13 +182,13 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
     )
     sessions = [aggregator.join(f"learner-{i}", specs).session_id for i in range(k)]
     layout = aggregator.layout()
-    params0 = [p.detach() for p in model.parameters()]
+    params0 = [p.detach().cpu() for p in model.parameters()]
     for fid, indices, _ in layout:
         aggregator.initialize(sessions[0], fid, [params0[i] for i in indices])
     schedule = Schedule(variant.sync_every_steps, variant.fragments, variant.overlap_steps)
     learners = []
     for i, session in enumerate(sessions):
-        replica_model = GPT(setup.model_config())
+        replica_model = GPT(setup.model_config()).to(setup.device)
         replica_model.load_state_dict(model.state_dict())
         params = [p for _, p in replica_model.named_parameters()]
         replicas = []
@@ -208,7 +211,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
         sync.load_globals()
         sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=1000 + i)
         learners.append((replica_model, _optimizer(setup, replica_model), sampler, sync))
-    eval_model = GPT(setup.model_config())
+    eval_model = GPT(setup.model_config()).to(setup.device)
     eval_params = [p for _, p in eval_model.named_parameters()]
 
     def global_loss() -> float:

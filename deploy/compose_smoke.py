@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -171,7 +172,7 @@ def main() -> int:
             live = values_by_instance("diloco_server_live_learners").get("127.0.0.1:19100")
             return (
                 server_log.count("learner=learner-2 joined") >= 2
-                and "outer_step=1 " in after_restart
+                and re.search(r"outer_step=[1-9]\d* ", after_restart) is not None
                 and live == 3
             )
 

@@ -10,6 +10,7 @@ import collections
 import functools
 import logging
 import math
+import os
 import threading
 from collections.abc import Iterator
 
@@ -49,6 +50,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.traffic = Traffic()
         # "accepted" or the rejection's status code name (a bounded set): for metrics.
         self.push_results: collections.Counter[str] = collections.Counter()
+        self._decode_slots = threading.BoundedSemaphore(os.cpu_count() or 1)
         self._push_results_lock = threading.Lock()
 
     def count_push(self, result: str) -> None:
@@ -105,7 +107,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
         limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
         pieces = (self._chunk_of(msg, fid) for msg in request_iterator)
-        tensors = decode_fragment(join_chunks(pieces, header.payload_bytes, limit), shapes)
+        payload = join_chunks(pieces, header.payload_bytes, limit)
+        # Decoding is CPU-bound and allocates several float32 copies of the fragment: at most
+        # one per core at a time, so memory does not grow with the number of learners.
+        with self._decode_slots:
+            tensors = decode_fragment(payload, shapes)
         if initial:
             version = agg.initialize(header.session_id, fid, tensors)
         else:
