@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 
 import pytest
 import torch
@@ -84,8 +85,17 @@ def test_a_killed_learner_does_not_stall_the_other(start_service, start_learner,
     agg = service.aggregator
     survivor = start_learner(service.port, "survivor", "--max-outer-steps", "1000")
     victim = start_learner(service.port, "victim", "--max-outer-steps", "1000")
-    # Both must have taken part in a round before the kill, so the kill really interrupts.
-    assert agg.wait_for_version(0, 3, timeout_s=120) >= 3, learner_log(tmp_path, "victim")
+    # Both must have taken part in rounds before the kill, so the kill really interrupts.
+    # The survivor may close rounds alone before the victim's process has even started, so
+    # count rounds from the moment both are live (in sync mode each then needs both).
+    for _ in range(1200):  # bounded: two learner processes start within seconds
+        if {"survivor", "victim"} <= set(agg.live_learners()):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(learner_log(tmp_path, "victim"))
+    both_live = agg.version(0)
+    assert agg.wait_for_version(0, both_live + 3, timeout_s=120) >= both_live + 3
     assert "victim" in agg.live_learners()
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=10)
