@@ -34,9 +34,9 @@ def main() -> None:
             logging.getLogger("diloco.server").info("metrics on port %d at /metrics", port)
     except (OSError, ValueError) as err:  # a port in use, an unreadable certificate
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    service.start()
-    if service.auth is not None:
+    if service.auth is not None:  # before start(): a SIGHUP must never find the default action
         signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service))
+    service.start()
     try:
         stop.wait()
     finally:
