@@ -228,6 +228,11 @@ class Aggregator:
             try:
                 guard.check(norm)
             except ValueError as err:
+                # The learner counts as having taken part with nothing, so a sync round does
+                # not wait for it forever; the global parameters are untouched.
+                fragment.round.contributors.add(session.learner_id)
+                fragment.last_push_base[session.learner_id] = base_version
+                self._maybe_close(fragment)
                 raise FailedPrecondition(f"push refused: {err}") from err
             try:
                 weight = contribution_weight(self.config.weighting, tokens, inner_steps)

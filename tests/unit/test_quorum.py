@@ -205,18 +205,20 @@ def test_partial_rounds_weigh_learners_by_their_last_push() -> None:
     assert torch.allclose(agg.params(0)[0], before - 0.1)
 
 
-def test_an_exploding_push_is_refused_and_changes_nothing() -> None:
-    agg, (a, b), _ = make(2, mode="sync", max_norm_ratio=10.0)
+def test_an_exploding_push_is_refused_and_does_not_stall_the_round() -> None:
+    agg, (a, b), _ = make(2, mode="sync", max_norm_ratio=10.0, outer_lr=1.0, outer_momentum=0.0)
     for version in range(4):  # four normal rounds: norms 2, 2, 2, ... (|[1,1,1,1]| = 2)
         push(agg, a, version, 1.0)
         push(agg, b, version, 1.0)
-    before = [t.clone() for t in agg.params(0)]
-    push(agg, a, 4, 1.0)
+    before = agg.params(0)[0].clone()
     with pytest.raises(FailedPrecondition, match=r"50\.0x the recent median"):
         push(agg, b, 4, 50.0)  # norm 100 = 50x the median
-    assert agg.version(0) == 4 and torch.equal(agg.params(0)[0], before[0])
-    push(agg, b, 4, 5.0)  # 5x: within the bound, accepted; the round closes
-    assert agg.version(0) == 5
+    assert agg.version(0) == 4 and torch.equal(agg.params(0)[0], before)  # untouched
+    push(agg, a, 4, 1.0)  # the round closes with a's push alone: b took part with nothing
+    assert agg.version(0) == 5 and torch.equal(agg.params(0)[0], before - 1.0)
+    push(agg, b, 5, 5.0)  # 5x the median: within the bound, accepted
+    push(agg, a, 5, 1.0)
+    assert agg.version(0) == 6
 
 
 def test_norm_guard_off_and_warmup() -> None:
