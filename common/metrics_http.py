@@ -1,4 +1,4 @@
-"""The Prometheus endpoint of either daemon: one HTTP server for one registry.
+"""The Prometheus endpoint of either daemon (one HTTP server for one registry), and port files.
 
     port = serve_metrics("0.0.0.0:9100", registry, port_file="")
 
@@ -19,11 +19,16 @@ def serve_metrics(listen: str, registry: CollectorRegistry, port_file: str = "")
     server, _ = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=registry)
     bound = server.server_port
     if port_file:
-        tmp = port_file + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{bound}\n")
-        os.replace(tmp, port_file)  # atomic: readers never see a partial file
+        write_port_file(port_file, bound)
     return bound
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write a bound port for launchers and tests; atomic, so readers never see half a file."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
 
 
 def check_listen(name: str, listen: str) -> None:

@@ -11,7 +11,6 @@ Used by `diloco-server` and by integration tests, which run it in-process on por
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
-from common.metrics_http import check_listen
+from common.metrics_http import check_listen, write_port_file
 from common.rpc import SERVICE_NAME, create_server
 from common.tls import server_credentials
 from server.aggregator import Aggregator, AggregatorConfig
@@ -115,10 +114,7 @@ class AggregatorService:
             self.aggregator.server_epoch,
         )
         if self.config.port_file:
-            tmp = self.config.port_file + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(f"{self.port}\n")
-            os.replace(tmp, self.config.port_file)  # atomic: readers never see a partial file
+            write_port_file(self.config.port_file, self.port)
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._stopping.set()
