@@ -46,6 +46,19 @@ class LearnerConfig(GPTConfig):
     """`stdlib` (this Python's library sources), a folder of text files, or a .bin token file."""
     corpus_max_bytes: int = 4 << 20
     """Read at most this many bytes of text per split."""
+    data_shards: int = 0
+    """Split the training windows into this many disjoint shards, one per learner (0: every
+    learner draws from all of them, in an order seeded by its id). The ranks of an island
+    split their learner's shard further."""
+    data_shard: int = 0
+    """Which of the data_shards this learner trains on, in [0, data_shards)."""
+    checkpoint_dir: str = ""
+    """Folder of this learner's checkpoint (checkpoint.pt): written periodically, and resumed
+    from at start if present (empty: no checkpoint)."""
+    checkpoint_every_steps: int = 0
+    """Write the checkpoint every this many inner steps (0: by time only)."""
+    checkpoint_every_s: float = 60.0
+    """Write the checkpoint at least this often, at an inner step (0: by steps only)."""
     eval_batches: int = 8
     """Validation batches evaluated after every outer step."""
     seed: int = 0
@@ -99,9 +112,18 @@ class LearnerConfig(GPTConfig):
             "torch_threads",
             "corpus_max_bytes",
             "status_every_s",
+            "data_shards",
+            "checkpoint_every_steps",
+            "checkpoint_every_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.data_shards and not 0 <= self.data_shard < self.data_shards:
+            raise ValueError(
+                f"data_shard must be in [0, data_shards={self.data_shards}), got {self.data_shard}"
+            )
+        if not self.data_shards and self.data_shard:
+            raise ValueError("data_shard needs data_shards (the number of shards) to be set")
         if not self.slowdown >= 1:
             raise ValueError(f"slowdown must be >= 1, got {self.slowdown}")
         if not 0 <= self.merge_alpha <= 1:

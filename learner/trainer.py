@@ -33,7 +33,7 @@ from common.tls import channel_credentials
 from common.wire import encode_fragment, params_crc32
 from learner.client import AggregatorClient
 from learner.config import LearnerConfig, resolve_device
-from learner.data import BatchSampler, load_text_corpus, load_token_file, stdlib_dir
+from learner.data import BatchSampler, ShardedSampler, load_corpus
 from learner.model import GPT
 from learner.streaming import FragmentReplica, Schedule, StreamingSync
 from learner.transport import GrpcTransport
@@ -82,9 +82,17 @@ class Learner:
             pb.ParamSpec(name=name, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."))
             for name, p in self.model.named_parameters()
         ]
-        train, val = _load_corpus(config)
+        train, val = load_corpus(config.corpus, config.corpus_max_bytes)
         data_seed = config.seed * 1_000_003 + zlib.crc32(config.learner_id.encode())
-        self.batches = BatchSampler(train, config.batch_size, config.block_size, data_seed)
+        self.batches = ShardedSampler(
+            train,
+            config.batch_size,
+            config.block_size,
+            data_seed,
+            shard=config.data_shard,
+            shards=max(1, config.data_shards),
+            vocab_size=config.vocab_size,
+        )
         eval_sampler = BatchSampler(val, config.batch_size, config.block_size, seed=1234)
         self.eval_set = [eval_sampler.next() for _ in range(config.eval_batches)]
         self.optimizer = torch.optim.AdamW(
@@ -413,12 +421,3 @@ def _auth_metadata(config: LearnerConfig) -> tuple[tuple[str, str], ...]:
     if not token:
         raise ValueError(f"auth_token_file {config.auth_token_file} is empty")
     return ((LEARNER_ID_HEADER, config.learner_id), ("authorization", f"Bearer {token}"))
-
-
-def _load_corpus(config: LearnerConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    if config.corpus == "stdlib":
-        return load_text_corpus(stdlib_dir(), config.corpus_max_bytes)
-    path = Path(config.corpus)
-    if path.suffix == ".bin":
-        return load_token_file(path, config.vocab_size)
-    return load_text_corpus(path, config.corpus_max_bytes)
