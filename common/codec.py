@@ -37,6 +37,7 @@ import zlib
 
 import torch
 
+from common import fp4_native
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
@@ -53,6 +54,8 @@ FP4_GRIDS = {
     pb.CODEC_FP4_E2M1: torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]),
     pb.CODEC_FP4_E3M0: torch.tensor([0.0] + [2.0**k for k in range(-6, 1)]),
 }
+# Round-to-nearest boundaries between neighbouring grid values, as the torch path computes them.
+FP4_MIDPOINTS = {codec: (grid[1:] + grid[:-1]) / 2 for codec, grid in FP4_GRIDS.items()}
 ROUNDINGS = ("nearest", "stochastic")
 
 CODECS = {
@@ -157,6 +160,7 @@ def decode(
         packed = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8).to(device)
         scales = torch.frombuffer(bytearray(msg.scales), dtype=torch.uint8).to(device)
         flat = dequantize_fp4(packed, scales, numel, msg.codec)
+        return flat.reshape(shape)  # dequantize_fp4 has checked the values are finite
     if not bool(torch.isfinite(flat).all()):
         raise InvalidArgument("tensor holds NaN or infinite values")
     return flat.reshape(shape)
@@ -185,7 +189,16 @@ def quantize_fp4(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed codes and E8M0 scale bytes (uint8 tensors on flat's device) of a finite
-    1-D float32 tensor; the wire bytes of `encode` are exactly these."""
+    1-D float32 tensor; the wire bytes of `encode` are exactly these.
+
+    CPU tensors rounded to nearest go through the C kernel where it is available
+    (common/fp4_native.py); it returns the same bytes as the torch code below.
+    """
+    kernel = fp4_native.load() if flat.device.type == "cpu" and not stochastic else None
+    if kernel is not None:
+        grid = FP4_GRIDS[codec]
+        top_shift = math.floor(math.log2(float(grid[-1]))) + 1
+        return kernel.quantize(flat.contiguous(), grid, FP4_MIDPOINTS[codec], top_shift)
     grid = FP4_GRIDS[codec].to(flat.device)
     numel = flat.numel()
     n_blocks = (numel + FP4_BLOCK - 1) // FP4_BLOCK
@@ -224,7 +237,21 @@ def quantize_fp4(
 def dequantize_fp4(
     packed: torch.Tensor, scale_bytes: torch.Tensor, numel: int, codec: int = pb.CODEC_FP4_E2M1
 ) -> torch.Tensor:
-    """The float32 values (on packed's device) of `numel` packed codes with their scales."""
+    """The float32 values (on packed's device) of `numel` packed codes with their scales.
+
+    Raises InvalidArgument for a NaN scale byte or a value that decodes to infinity (a
+    forged top code in a block scaled near float32's maximum).
+    """
+    kernel = fp4_native.load() if packed.device.type == "cpu" else None
+    if kernel is not None:
+        values, status = kernel.dequantize(
+            packed.contiguous(), scale_bytes.contiguous(), numel, FP4_GRIDS[codec]
+        )
+        if status < 0:
+            raise InvalidArgument("FP4 block scale is NaN (E8M0 byte 255)")
+        if status > 0:
+            raise InvalidArgument("tensor holds NaN or infinite values")
+        return values
     if bool((scale_bytes == E8M0_NAN).any()):
         raise InvalidArgument("FP4 block scale is NaN (E8M0 byte 255)")
     grid = FP4_GRIDS[codec].to(packed.device)
@@ -233,4 +260,7 @@ def dequantize_fp4(
     values = torch.where(codes >= 8, -magnitudes, magnitudes)
     exps = scale_bytes.to(torch.int32) - E8M0_BIAS
     per_element = exps.repeat_interleave(FP4_BLOCK)[:numel].float()
-    return torch.ldexp(values, per_element)
+    decoded = torch.ldexp(values, per_element)
+    if not bool(torch.isfinite(decoded).all()):
+        raise InvalidArgument("tensor holds NaN or infinite values")
+    return decoded
