@@ -1,9 +1,11 @@
 """diloco-learner: train a model against an aggregator.
 
     diloco-learner --server 127.0.0.1:50051 --learner-id a --sync-every-steps 50
+    torchrun --standalone --nproc-per-node 2 -m learner.main --learner-id a ...   # an island
 
 Parses flags into a LearnerConfig, trains until done or SIGINT/SIGTERM, then leaves the run
-and prints (and optionally writes) a summary.
+and prints (and optionally writes) a summary. Under torchrun only rank 0 serves metrics,
+writes the summary and saves the parameters: it speaks for the island (learner/island.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,6 +24,7 @@ import grpc
 from common.config import add_config_flags, config_from_args
 from common.metrics_http import serve_metrics
 from learner.config import LearnerConfig
+from learner.island import Island
 from learner.metrics import learner_registry
 from learner.trainer import Learner
 
@@ -34,8 +38,8 @@ def main() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        learner = Learner(config)
-        if config.metrics_listen:
+        learner = Learner(config, Island.from_env(os.environ))
+        if config.metrics_listen and learner.island.is_leader:
             registry = learner_registry(learner)
             port = serve_metrics(config.metrics_listen, registry, config.metrics_port_file)
             logging.getLogger("diloco.learner").info("metrics on port %d at /metrics", port)
@@ -50,6 +54,10 @@ def main() -> None:
         )
     except grpc.RpcError as err:
         sys.exit(f"diloco-learner: error: the server answered {err.code().name}: {err.details()}")
+    finally:
+        learner.island.close()
+    if not learner.island.is_leader:
+        return
     if config.save_params:
         learner.save_params(config.save_params)
     summary = dataclasses.asdict(progress)

@@ -3,11 +3,12 @@
     learner = Learner(LearnerConfig(server="127.0.0.1:50051", learner_id="a"))
     summary = learner.run(stop=threading.Event())
 
-The first learner to join hands the server its initial parameters; every learner then starts
-from the server's copy, so all replicas begin identical. Fragment syncs follow
-learner/streaming.py's schedule on a background thread. Every H inner steps (an outer step)
-the learner evaluates the global parameters on the validation split. With one fragment,
-merge_alpha 0 and overlap_steps 0 this is plain DiLoCo.
+The protocol (join, pushes and merges on learner/streaming.py's schedule, heartbeats, rejoin)
+is learner/session.py's; this file is the built-in job around it: a small GPT on a sharded
+corpus (learner/data.py), evaluation of the global parameters every H inner steps (an outer
+step), periodic checkpoints to resume from (learner/checkpoint.py), and, under torchrun, an
+island of data-parallel ranks that acts as one learner (learner/island.py). With one
+fragment, merge_alpha 0 and overlap_steps 0 this is plain DiLoCo.
 """
 
 from __future__ import annotations
@@ -20,62 +21,48 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import torch
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.retry import RETRYABLE, Backoff, Stopped
-from common.rpc import LEARNER_ID_HEADER
-from common.tls import channel_credentials
-from common.wire import encode_fragment, params_crc32
-from learner.client import AggregatorClient
+from common.retry import Stopped
+from common.wire import params_crc32
+from learner.checkpoint import (
+    FORMAT_VERSION,
+    PROGRESS_FIELDS,
+    CheckpointClock,
+    check_compatible,
+    load_checkpoint,
+    replicas_from_state,
+    replicas_to_state,
+    save_checkpoint,
+)
 from learner.config import LearnerConfig, resolve_device
 from learner.data import BatchSampler, ShardedSampler, load_corpus
+from learner.island import Island
 from learner.model import GPT
-from learner.streaming import FragmentReplica, Schedule, StreamingSync
-from learner.transport import GrpcTransport
+from learner.session import Progress, SyncSession
+
+__all__ = ["Learner", "Progress"]
 
 log = logging.getLogger("diloco.learner")
 
 
-@dataclass
-class Progress:
-    """What the learner has done so far; the final summary is this as a dict."""
-
-    learner_id: str
-    outer_steps: int = 0
-    inner_steps: int = 0
-    tokens: int = 0
-    versions: list[int] = dataclasses.field(default_factory=list)  # per fragment
-    eval_losses: list[float] = dataclasses.field(default_factory=list)
-    compute_s: float = 0.0
-    train_wall_s: float = 0.0  # from the first inner step to the last
-    eval_s: float = 0.0  # of that, evaluating: utilisation = compute_s / (train_wall_s - eval_s)
-    blocked_on_sync_s: float = 0.0
-    fragment_syncs: int = 0
-    late_merges: int = 0
-    skipped_pushes: int = 0
-    rejoins: int = 0
-    stale_pushes: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_by_fragment: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
-    params_crc32: list[int] = dataclasses.field(default_factory=list)  # per fragment
-    last_loss: float = math.nan
-
-
 class Learner:
-    def __init__(self, config: LearnerConfig) -> None:
+    def __init__(self, config: LearnerConfig, island: Island | None = None) -> None:
+        """`island`: the ranks this learner spans (torchrun); default a single process."""
         self.config = config
-        threads = config.torch_threads or max(1, (os.cpu_count() or 1) // config.learners_per_host)
+        self.island = island = island or Island()
+        threads = config.torch_threads or max(
+            1, (os.cpu_count() or 1) // (config.learners_per_host * island.local_size)
+        )
         torch.set_num_threads(threads)
         torch.manual_seed(config.seed)
-        self.device = resolve_device(config.device)
+        self.device = island.start(resolve_device(config.device))
         # Initialised on the CPU, then moved: the same seed gives the same model anywhere.
         self.model = GPT(config.model_config()).to(self.device)
+        self.train_model = island.wrap(self.model)  # DDP across the island's ranks
         self.eval_model = copy.deepcopy(self.model)  # holds the global parameters for eval
         self.params = [p for _, p in self.model.named_parameters()]
         self.fingerprint = [
@@ -84,13 +71,14 @@ class Learner:
         ]
         train, val = load_corpus(config.corpus, config.corpus_max_bytes)
         data_seed = config.seed * 1_000_003 + zlib.crc32(config.learner_id.encode())
+        # The island's ranks split this learner's shard: rank r of N takes sub-shard r.
         self.batches = ShardedSampler(
             train,
             config.batch_size,
             config.block_size,
             data_seed,
-            shard=config.data_shard,
-            shards=max(1, config.data_shards),
+            shard=config.data_shard * island.world_size + island.rank,
+            shards=max(1, config.data_shards) * island.world_size,
             vocab_size=config.vocab_size,
         )
         eval_sampler = BatchSampler(val, config.batch_size, config.block_size, seed=1234)
@@ -98,238 +86,174 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay
         )
-        credentials = (
-            None
-            if config.insecure
-            else channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+        self.progress = Progress(learner_id=config.learner_id, island_size=island.world_size)
+        tokens_per_step = config.batch_size * config.block_size * island.world_size
+        self.session = (
+            SyncSession(config, self.params, self.fingerprint, self.progress, tokens_per_step)
+            if island.is_leader
+            else None  # only rank 0 talks to the aggregator
         )
-        self.client = AggregatorClient(config.server, credentials, _auth_metadata(config))
-        self.transport = GrpcTransport(self.client, lambda: self.session_id)
-        self.progress = Progress(learner_id=config.learner_id)
-        self.session_id = ""
-        self.lease_s = 10.0  # replaced by the server's value at Join
-        self.sync: StreamingSync | None = None
-        self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)
-        self.server_epoch = 0
-        self.server_versions: list[int] = []  # per fragment, from the last heartbeat
-        self._resync = threading.Event()  # set when the session is gone: join and re-sync
-        self._rejoin_backoff = Backoff()
+        self.step = 0  # the schedule step (rank 0's, on every rank)
         self._status = _StatusClock()
-        self._next_rejoin_s = 0.0
+        self._checkpoints = CheckpointClock(
+            config.checkpoint_every_steps, config.checkpoint_every_s
+        )
+        if config.checkpoint_dir:
+            self._restore(Path(config.checkpoint_dir))
+
+    # The session's state, for learner/metrics.py.
+    @property
+    def sync(self):
+        return self.session.sync if self.session else None
+
+    @property
+    def client(self):
+        return self.session.client if self.session else None
+
+    @property
+    def server_versions(self) -> list[int]:
+        return self.session.server_versions if self.session else []
 
     # -- the loop --------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> Progress:
-        """Train until max_outer_steps, duration_s or `stop`; always leaves and closes."""
-        cfg, started = self.config, time.monotonic()
-        heartbeat_stop = threading.Event()
-        self.transport.stop_requested = stop
+        """Train until max_outer_steps, duration_s or `stop`; always leaves and closes.
+
+        On an island rank 0 decides: when to stop, and what the parameters are after a sync.
+        """
+        cfg, island, started = self.config, self.island, time.monotonic()
         try:
-            self.client.wait_ready(cfg.connect_timeout_s)
-            self._join()
-            threading.Thread(target=self._heartbeat, args=(heartbeat_stop,), daemon=True).start()
+            if self.session is not None:
+                self.session.open(stop)
+                self.step = self.session.step
+            island.broadcast_params(self.params)  # every rank starts from the global values
             self._record_eval()
             train_started = time.monotonic()
-            while not stop.is_set():
-                if cfg.max_outer_steps and self.progress.outer_steps >= cfg.max_outer_steps:
-                    break
-                if cfg.duration_s and time.monotonic() - started >= cfg.duration_s:
-                    break
-                self.step += 1
+            while not island.agree([self._done(stop, started)])[0]:
                 self._inner_step()
-                if self._resync.is_set():
-                    self._try_rejoin()  # keeps training while the server is away
-                else:
-                    try:
-                        self._sync_step(self.step)
-                    except Stopped:
-                        break  # asked to stop while waiting at a merge
+                changed, stopped = self._advance()
+                self.step, changed, stopped = island.agree([self.step, changed, stopped])
+                if changed:
+                    island.broadcast_params(self.params)
+                if stopped:
+                    break  # asked to stop while waiting at a merge
                 if self.step % cfg.sync_every_steps == 0:
                     self.progress.outer_steps += 1
                     self._record_eval()
                 self.progress.train_wall_s = time.monotonic() - train_started
-            if not stop.is_set():
-                self._drain(self.step)
+                if cfg.checkpoint_dir and self._checkpoints.due(self.progress.inner_steps):
+                    self._save_checkpoint()
+            if self.session is not None and not stop.is_set():
+                self.session.drain()
+            island.broadcast_params(self.params)
+            if cfg.checkpoint_dir:
+                self._save_checkpoint()
+            crc = params_crc32([p.detach().cpu() for p in self.params])
+            self.progress.rank_params_crc32 = island.gather_object(crc)
         finally:
-            heartbeat_stop.set()
-            self.transport.close()
-            self._leave()
-            self._finish_progress()
-            self.client.close()
+            self.progress.data_position = self.batches.position
+            if self.session is not None:
+                self.session.close()
         return self.progress
+
+    def _done(self, stop: threading.Event, started: float) -> bool:
+        cfg, p = self.config, self.progress
+        return (
+            stop.is_set()
+            or bool(cfg.max_outer_steps and p.outer_steps >= cfg.max_outer_steps)
+            or bool(cfg.duration_s and time.monotonic() - started >= cfg.duration_s)
+        )
 
     def _inner_step(self) -> None:
         t0 = time.perf_counter()
-        self.model.train()
+        self.train_model.train()
         x, y = (t.to(self.device) for t in self.batches.next())
-        _, loss = self.model(x, y)
+        _, loss = self.train_model(x, y)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # on an island, DDP averages the gradients of all ranks here
         self.optimizer.step()
         self.progress.inner_steps += 1
-        self.progress.tokens += x.numel()
+        self.progress.tokens += x.numel() * self.island.world_size
         self.progress.last_loss = loss.item()
         if self.config.slowdown > 1:  # a slower island: idle as if the step took longer
             time.sleep((time.perf_counter() - t0) * (self.config.slowdown - 1))
         self.progress.compute_s += time.perf_counter() - t0
 
-    def _sync_step(self, step: int) -> None:
-        assert self.sync is not None
+    def _advance(self) -> tuple[bool, bool]:
+        """(parameters changed, asked to stop while waiting): one schedule step, on rank 0."""
+        if self.session is None:
+            return False, False
         try:
-            self.sync.push_phase(step)
-            self.sync.merge_phase(step)
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            log.warning(
-                "learner=%s session lost (%s); rejoining", self.config.learner_id, err.details()
-            )
-            self._resync.set()
+            changed = self.session.after_inner_step()
+        except Stopped:
+            return False, True
+        finally:
+            self.step = self.session.step
+        return changed, False
 
-    def _try_rejoin(self) -> None:
-        """Join again and pull snapshots; if the server is still away, try later."""
-        if time.monotonic() < self._next_rejoin_s:
-            return
-        try:
-            self._join()
-        except grpc.RpcError as err:
-            if err.code() not in RETRYABLE:
-                raise
-            delay = self._rejoin_backoff.next_delay_s()
-            self._next_rejoin_s = time.monotonic() + delay
-            log.warning(
-                "learner=%s server unreachable (%s); training on, next try in %.1f s",
-                self.config.learner_id,
-                err.code().name,
-                delay,
-            )
-            return
-        self._rejoin_backoff.reset()
-        self._resync.clear()
-        self.progress.rejoins += 1
+    # -- checkpoints -----------------------------------------------------------------------
 
-    def _drain(self, last_step: int) -> None:
-        """Merge the syncs still in flight after the last step, then take the global values.
-
-        Ends with every local parameter equal to the newest server version this learner saw.
-        If the server restarted meanwhile, the in-flight pushes are lost (they were never
-        applied) and the learner re-syncs to the restored state instead.
-        """
-        assert self.sync is not None
-        if not self._resync.is_set():
-            self.sync.blocking = True  # the run is over: waiting costs no training
-            try:
-                self.sync.merge_phase(last_step + self.config.overlap_steps)
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-                self._resync.set()
-        if self._resync.is_set():
-            self._join()
-            self.progress.rejoins += 1
-        self.sync.load_globals()
-
-    # -- protocol steps --------------------------------------------------------------------
-
-    def _join(self) -> None:
-        cfg = self.config
-        self.transport.abandon_in_flight()  # they belong to the old session, if any
-        reply = self.client.join(cfg.learner_id, self.fingerprint)
-        # Epoch first: a heartbeat that already uses the new session must see the new epoch.
-        self.server_epoch = reply.server_epoch
-        self.session_id, self.lease_s = reply.session_id, reply.lease_s
+    def _save_checkpoint(self) -> None:
+        if self.session is None:
+            return  # rank 0 writes the island's checkpoint; the ranks' states are identical
+        started = time.perf_counter()
+        state = {
+            "format": FORMAT_VERSION,
+            "learner_id": self.config.learner_id,
+            "config": dataclasses.asdict(self.config),
+            "fingerprint": [[s.name, list(s.shape), s.dtype] for s in self.fingerprint],
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "data": self.batches.state_dict(),
+            "step": self.step,
+            "progress": {f: getattr(self.progress, f) for f in PROGRESS_FIELDS},
+            "fragments": replicas_to_state(self.session.saved_replicas()),
+            "island_size": self.island.world_size,
+            "saved_unix_s": time.time(),
+        }
+        path = save_checkpoint(Path(self.config.checkpoint_dir), state)
         log.info(
-            "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s",
-            cfg.learner_id,
-            reply.server_epoch,
-            reply.mode,
-            len(reply.fragments),
-            reply.layout,
+            "learner=%s checkpoint step=%d data_position=%d to %s in %.3f s",
+            self.config.learner_id,
+            self.progress.inner_steps,
+            self.batches.position,
+            path,
+            time.perf_counter() - started,
         )
-        replicas = [
-            FragmentReplica(
-                f.fragment_id,
-                list(f.param_indices),
-                [tuple(self.params[i].shape) for i in f.param_indices],
-            )
-            for f in reply.fragments
-        ]
-        for f, replica in zip(reply.fragments, replicas, strict=True):
-            if f.version < 0:
-                self._offer_initial_params(replica)
-            # No retry loop here: if the server is gone again, _try_rejoin backs off.
-            replica.apply(self.transport.pull(replica.fragment_id, -1, 0, retry=False))
-        schedule = Schedule(cfg.sync_every_steps, len(replicas), cfg.overlap_steps)
-        self.step = schedule.resume_step([r.version for r in replicas])
-        self.sync = StreamingSync(
-            self.params,
-            replicas,
-            schedule,
-            self.transport,
-            cfg.push_codec,
-            cfg.merge_alpha,
-            tokens_per_step=cfg.batch_size * cfg.block_size,
-            blocking=reply.mode == "sync",  # quorum and async learners never wait
-            start_step=self.step,
-        )
-        self.sync.load_globals()
 
-    def _offer_initial_params(self, replica: FragmentReplica) -> None:
-        header = pb.PushHeader(
-            session_id=self.session_id,
-            fragment_id=replica.fragment_id,
-            base_version=-1,
-            kind=pb.PUSH_KIND_INITIAL,
-        )
-        local = [self.params[i].detach() for i in replica.indices]
-        try:
-            self.client.push(header, encode_fragment(local, "fp32"))
-            log.info(
-                "learner=%s initialized fragment %d", self.config.learner_id, replica.fragment_id
-            )
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.ALREADY_EXISTS:
-                raise  # otherwise another learner was first: fine, we pull theirs
-
-    def _heartbeat(self, stop: threading.Event) -> None:
-        while not stop.wait(self.lease_s / 3):
-            request = pb.HeartbeatRequest(
-                session_id=self.session_id,
-                step=self.progress.inner_steps,
-                tokens=self.progress.tokens,
-                loss=self.progress.last_loss,
-                step_time_s=self.progress.compute_s / max(1, self.progress.inner_steps),
-            )
-            session = request.session_id
-            try:
-                reply = self.client.heartbeat(request)
-                if session != self.session_id:
-                    continue  # a rejoin happened meanwhile; this answer is about the old one
-                self.server_versions = list(reply.fragment_versions)
-                if reply.server_epoch != self.server_epoch:
-                    log.warning(
-                        "learner=%s server restarted (new epoch); will re-sync",
-                        self.config.learner_id,
-                    )
-                    self._resync.set()
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND and session == self.session_id:
-                    self._resync.set()
-                log.warning(
-                    "learner=%s heartbeat failed: %s", self.config.learner_id, err.code().name
-                )
-
-    def _leave(self) -> None:
-        if not self.session_id:
+    def _restore(self, directory: Path) -> None:
+        """Resume from the checkpoint in `directory`, if there is one; rank 0 reads it and
+        hands the other ranks the optimizer state and data position."""
+        state = load_checkpoint(directory) if self.island.is_leader else None
+        if state is not None:
+            spec = [(s.name, list(s.shape), s.dtype) for s in self.fingerprint]
+            check_compatible(state, directory, self.config.learner_id, spec)
+        keys = ("optimizer", "data", "progress")
+        shared = self.island.broadcast_object(state and {k: state[k] for k in keys})
+        if shared is None:
             return
-        try:
-            self.client.leave(self.session_id)
-        except grpc.RpcError as err:
-            log.warning("learner=%s leave failed: %s", self.config.learner_id, err.code().name)
+        self.batches.load_state_dict(shared["data"])
+        self.optimizer.load_state_dict(shared["optimizer"])
+        for name in PROGRESS_FIELDS:
+            setattr(self.progress, name, shared["progress"][name])
+        self.progress.resumed_at_inner_step = self.progress.inner_steps
+        if state is not None and self.session is not None:
+            self.model.load_state_dict(state["model"])
+            self.session.resume = replicas_from_state(state["fragments"])
+            log.info(
+                "learner=%s resuming from checkpoint step=%d data_position=%d versions=%s",
+                self.config.learner_id,
+                self.progress.inner_steps,
+                self.batches.position,
+                [r.version for r in self.session.resume],
+            )
+
+    # -- evaluation and status -------------------------------------------------------------
 
     def _record_eval(self) -> None:
         """Evaluate the global parameters (the learner's replicas) on the validation split."""
-        assert self.sync is not None
+        if self.sync is None:
+            return  # not rank 0: the island's leader evaluates
         started = time.perf_counter()
         eval_params = [p for _, p in self.eval_model.named_parameters()]
         with torch.no_grad():
@@ -368,19 +292,6 @@ class Learner:
             self.client.traffic.received,
         )
 
-    def _finish_progress(self) -> None:
-        p, traffic = self.progress, self.client.traffic
-        p.bytes_sent, p.bytes_received = traffic.sent, traffic.received
-        p.bytes_by_fragment = traffic.by_fragment()
-        p.stale_pushes = self.transport.stale_pushes
-        if self.sync is not None:
-            p.versions = [r.version for r in self.sync.replicas]
-            p.params_crc32 = [params_crc32(r.params) for r in self.sync.replicas]
-            p.blocked_on_sync_s = self.sync.stats.blocked_s
-            p.fragment_syncs = self.sync.stats.syncs
-            p.late_merges = self.sync.stats.late_merges
-            p.skipped_pushes = self.sync.stats.skipped_pushes
-
     def save_params(self, path: str) -> None:
         torch.save({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}, path)
 
@@ -406,18 +317,3 @@ class _StatusClock:
         rate = (tokens - self.last_tokens) / elapsed if math.isfinite(elapsed) else 0.0
         self.last_s, self.last_tokens = now, tokens
         return rate, now - self.last_sync_s
-
-
-def _auth_metadata(config: LearnerConfig) -> tuple[tuple[str, str], ...]:
-    """The learner id and token that go with every call (server/auth.py); none if unset."""
-    if not config.auth_token_file:
-        return ()
-    try:
-        token = Path(config.auth_token_file).read_text().strip()
-    except OSError as err:
-        raise ValueError(
-            f"cannot read auth_token_file {config.auth_token_file}: {err.strerror}"
-        ) from err
-    if not token:
-        raise ValueError(f"auth_token_file {config.auth_token_file} is empty")
-    return ((LEARNER_ID_HEADER, config.learner_id), ("authorization", f"Bearer {token}"))

@@ -1,0 +1,69 @@
+"""A learner killed with SIGKILL resumes from its checkpoint: step count and data position."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from learner.checkpoint import load_checkpoint
+from tests.integration.conftest import learner_log
+
+BATCH_SIZE = 4  # TINY_LEARNER_FLAGS
+
+
+def test_a_killed_learner_resumes_its_steps_and_data_position(
+    start_service, start_learner, tmp_path
+):
+    service = start_service(lease_s=2.0)
+    ckpt = tmp_path / "ckpt"
+    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "3"]
+    flags += ["--checkpoint-every-s", "0"]
+    first = start_learner(service.port, "first", "--learner-id", "r", *flags)
+    saved = None
+    for _ in range(1200):  # bounded: the learner writes one every 3 steps once it trains
+        saved = load_checkpoint(ckpt) if (ckpt / "checkpoint.pt").exists() else None
+        if saved is not None and saved["progress"]["inner_steps"] >= 12:
+            break
+        assert first.poll() is None, learner_log(tmp_path, "first")
+        time.sleep(0.1)
+    else:
+        raise AssertionError(learner_log(tmp_path, "first"))
+    first.kill()  # SIGKILL: no leave, no final checkpoint
+    first.wait(timeout=10)
+    saved = load_checkpoint(ckpt)  # the last one written before the kill
+    steps, outer = saved["progress"]["inner_steps"], saved["progress"]["outer_steps"]
+    position = saved["data"]["position"]
+    assert steps >= 12 and outer >= 2 and position == steps * BATCH_SIZE
+
+    second = start_learner(
+        service.port,
+        "second",
+        "--learner-id",
+        "r",
+        *flags,
+        "--max-outer-steps",
+        str(outer + 2),
+        "--summary-file",
+        str(tmp_path / "second.json"),
+    )
+    assert second.wait(timeout=120) == 0, learner_log(tmp_path, "second")
+    summary = json.loads((tmp_path / "second.json").read_text())
+    assert summary["resumed_at_inner_step"] == steps
+    assert summary["outer_steps"] == outer + 2
+    new_steps = summary["inner_steps"] - steps
+    assert 0 < new_steps <= 2 * 5 + 5  # two outer steps of H = 5, from the server's phase
+    # Not a cold start: the data position carries on from the checkpoint's.
+    assert summary["data_position"] == position + new_steps * BATCH_SIZE
+    assert (
+        summary["eval_losses"][: len(saved["progress"]["eval_losses"])]
+        == (saved["progress"]["eval_losses"])
+    )
+    saved_versions = [f["version"] for f in saved["fragments"]]
+    assert all(v > s for v, s in zip(summary["versions"], saved_versions, strict=True))
+    log = learner_log(tmp_path, "second")
+    assert f"resuming from checkpoint step={steps} data_position={position}" in log
+    assert "resumed versions=" in log
+    # It pulled only what changed since the saved versions: far less than a snapshot.
+    snapshot_bytes = 4 * sum(t.numel() for t in saved["model"].values())
+    pulled = int(log.split("resumed versions=")[1].split("pulled_bytes=")[1].split()[0])
+    assert pulled < snapshot_bytes / 2
