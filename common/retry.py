@@ -13,11 +13,32 @@ from typing import TypeVar
 
 import grpc
 
+from common.rpc import RETRY_AFTER_HEADER
+
 T = TypeVar("T")
 
-# The server is down, restarting or unreachable: worth another try. Everything else is an
-# answer (a refusal with a reason) and goes to the caller.
+# The server is down, restarting or unreachable: worth another try. So is a rate-limit
+# refusal, after the wait it names. Everything else is an answer (a refusal with a reason)
+# and goes to the caller.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def retry_after_s(err: grpc.RpcError) -> float | None:
+    """The wait a rate-limited refusal asks for (server/ratelimit.py), or None."""
+    if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    trailing = getattr(err, "trailing_metadata", lambda: None)() or ()
+    for key, value in trailing:
+        if key == RETRY_AFTER_HEADER:
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None
+
+
+def is_retryable(err: grpc.RpcError) -> bool:
+    return err.code() in RETRYABLE or retry_after_s(err) is not None
 
 
 class Stopped(Exception):
@@ -51,9 +72,9 @@ def call_with_retry(
         try:
             return call()
         except grpc.RpcError as err:
-            if err.code() not in RETRYABLE:
+            if not is_retryable(err):
                 raise
-            delay = backoff.next_delay_s()
+            delay = max(backoff.next_delay_s(), retry_after_s(err) or 0.0)
             if on_retry is not None:
                 on_retry(err, delay)
             if stop.wait(delay):

@@ -25,6 +25,7 @@ from common.tls import server_credentials
 from server.aggregator import Aggregator, AggregatorConfig
 from server.auth import TokenAuth
 from server.metrics import ServerMetrics
+from server.ratelimit import RateLimit
 from server.servicer import AggregatorServicer
 
 log = logging.getLogger("diloco.server")
@@ -54,12 +55,19 @@ class ServerConfig(AggregatorConfig):
     """Serve in plaintext, without TLS: only on a trusted network (logs a warning)."""
     auth_token_file: str = ""
     """Per-learner tokens (`diloco-token add FILE ID`); SIGHUP reloads. Empty: off."""
+    rate_limit_calls_per_s: float = 100.0
+    """Each learner may make this many calls per second on average (0: no limit); a
+    learner over it is told to retry later (server/ratelimit.py)."""
+    rate_limit_burst: int = 200
+    """Calls a learner may make at once before rate_limit_calls_per_s applies."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         check_listen("metrics_listen", self.metrics_listen)
+        if not self.rate_limit_calls_per_s >= 0 or self.rate_limit_burst < 1:
+            raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
         tls = bool(self.tls_cert or self.tls_key or self.tls_client_ca)
         if self.insecure and tls:
             raise ValueError("insecure and tls_* settings exclude each other: choose one")
@@ -90,11 +98,18 @@ class AggregatorService:
                 config.listen,
             )
         self.auth = TokenAuth(config.auth_token_file) if config.auth_token_file else None
+        self.rate_limit = (
+            RateLimit(config.rate_limit_calls_per_s, config.rate_limit_burst)
+            if config.rate_limit_calls_per_s > 0
+            else None
+        )
+        # Authentication first: the limiter then keys on verified learner ids.
+        interceptors = tuple(i for i in (self.auth, self.rate_limit) if i is not None)
         self._server, self.port = create_server(
-            config.listen, config.credentials(), interceptors=(self.auth,) if self.auth else ()
+            config.listen, config.credentials(), interceptors=interceptors
         )
         self.servicer = AggregatorServicer(self.aggregator)
-        self.metrics.watch(self.aggregator, self.servicer)
+        self.metrics.watch(self.aggregator, self.servicer, self.rate_limit)
         pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["Aggregator"].full_name, reflection.SERVICE_NAME),

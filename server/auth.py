@@ -103,7 +103,7 @@ def _refuse(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandle
     def abort(request_or_iterator, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
-    return _replace(handler, lambda _: abort)
+    return replace_behavior(handler, lambda _: abort)
 
 
 def _as_learner(handler: grpc.RpcMethodHandler, learner_id: str) -> grpc.RpcMethodHandler:
@@ -129,10 +129,11 @@ def _as_learner(handler: grpc.RpcMethodHandler, learner_id: str) -> grpc.RpcMeth
 
         return unary
 
-    return _replace(handler, wrap)
+    return replace_behavior(handler, wrap)
 
 
-def _replace(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+def replace_behavior(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+    """The same handler with its behavior function replaced by wrap(behavior)."""
     kinds = {
         (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
         (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from common.traffic import NO_FRAGMENT
 from server.aggregator import Aggregator
 from server.events import AggregatorEvents
+from server.ratelimit import RateLimit
 from server.servicer import AggregatorServicer
 
 SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -60,9 +61,14 @@ class ServerMetrics(AggregatorEvents):
             registry=r,
         )
 
-    def watch(self, aggregator: Aggregator, servicer: AggregatorServicer) -> None:
+    def watch(
+        self,
+        aggregator: Aggregator,
+        servicer: AggregatorServicer,
+        rate_limit: RateLimit | None = None,
+    ) -> None:
         """Export the aggregator's and servicer's current state at every scrape."""
-        self.registry.register(_StateCollector(aggregator, servicer))
+        self.registry.register(_StateCollector(aggregator, servicer, rate_limit))
 
     # -- AggregatorEvents -------------------------------------------------------------------
 
@@ -79,8 +85,10 @@ class ServerMetrics(AggregatorEvents):
 
 
 class _StateCollector(Collector):
-    def __init__(self, aggregator: Aggregator, servicer: AggregatorServicer) -> None:
-        self.aggregator, self.servicer = aggregator, servicer
+    def __init__(
+        self, aggregator: Aggregator, servicer: AggregatorServicer, rate_limit: RateLimit | None
+    ) -> None:
+        self.aggregator, self.servicer, self.rate_limit = aggregator, servicer, rate_limit
 
     def collect(self) -> Iterator:
         agg = self.aggregator
@@ -105,6 +113,15 @@ class _StateCollector(Collector):
         for result, count in sorted(self.servicer.push_result_counts().items()):
             pushes.add_metric([result], count)
         yield pushes
+        limited = CounterMetricFamily(
+            "diloco_server_rate_limited_calls",
+            "Calls refused because their learner exceeded its rate limit, by method.",
+            labels=["method"],
+        )
+        if self.rate_limit is not None:
+            for method, count in sorted(self.rate_limit.refused_counts().items()):
+                limited.add_metric([method], count)
+        yield limited
         received = CounterMetricFamily(
             "diloco_server_received_bytes",
             "Bytes of gRPC messages received, per fragment.",
