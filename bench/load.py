@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
+from common.rpc import LEARNER_ID_HEADER  # noqa: E402
 from common.wire import encode_fragment  # noqa: E402
 from learner.client import AggregatorClient  # noqa: E402
 
@@ -58,7 +59,9 @@ class Learner(threading.Thread):
         self.joined = threading.Event()  # learner 0: set once the model is initialised
 
     def run(self) -> None:
-        client = AggregatorClient(f"127.0.0.1:{self.port}")
+        # Each simulated learner names itself, as real ones do: rate limits are per learner.
+        metadata = ((LEARNER_ID_HEADER, f"load-{self.i}"),)
+        client = AggregatorClient(f"127.0.0.1:{self.port}", None, metadata)
         try:
             client.wait_ready(30)
             session = client.join(f"load-{self.i}", SPECS).session_id

@@ -356,9 +356,10 @@ class SyncSession:
 
 
 def _auth_metadata(config: LearnerConfig) -> tuple[tuple[str, str], ...]:
-    """The learner id and token that go with every call (server/auth.py); none if unset."""
+    """The learner id and token that go with every call (server/auth.py). Without a token
+    the id still goes: the server's rate limits are per learner (server/ratelimit.py)."""
     if not config.auth_token_file:
-        return ()
+        return ((LEARNER_ID_HEADER, config.learner_id),)
     try:
         token = Path(config.auth_token_file).read_text().strip()
     except OSError as err:
