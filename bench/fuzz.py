@@ -1,0 +1,109 @@
+"""Long fuzz run of the servicer and the decoders; prints and saves the tally.
+
+    python -m bench.fuzz --cases 10000                     # servicer (direct) + decoders
+    python -m bench.fuzz --cases 2000 --transport grpc     # through a loopback gRPC server
+
+Each servicer case is a fresh aggregator and 1-4 hostile calls (bench/fuzz_cases.py); each
+decoder case one hostile input to decode_fragment, decode or apply_updates. Cases are drawn by
+hypothesis (generation only: no shrinking, nothing stored), in batches with seeds seed,
+seed+1, ... until --cases have run. Writes bench/results/fuzz.json; exits 1 on any violation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from bench.fuzz_cases import CaseReport, Tally, run_decoder_case, run_servicer_case
+from bench.fuzz_grpc import GrpcCaller
+from bench.fuzz_world import pull_wait_capped
+
+RESULTS = Path(__file__).parent / "results" / "fuzz.json"
+
+
+def run(cases: int, run_case, first_seed: int, max_batches: int = 20) -> Tally:
+    """Run `run_case(draw)` on at least `cases` generated inputs (fewer only if hypothesis
+    stops early max_batches times in a row)."""
+    tally = Tally()
+    for batch in range(max_batches):
+        remaining = cases - tally.cases
+        if remaining <= 0:
+            break
+
+        @seed(first_seed + batch)
+        @settings(
+            max_examples=remaining,
+            database=None,
+            deadline=None,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(st.data())
+        def one(data: st.DataObject) -> None:
+            try:
+                report = run_case(data.draw)
+            except Exception as err:  # noqa: BLE001 - a harness failure is counted, not fatal
+                report = CaseReport(violations=[f"harness_error: {type(err).__name__}: {err}"])
+            tally.add(report)
+
+        one()
+    return tally
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=10_000, help="servicer cases")
+    parser.add_argument("--decoder-cases", type=int, default=None, help="default: --cases")
+    parser.add_argument("--transport", choices=["direct", "grpc"], default="direct")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if args.cases < 0 or (args.decoder_cases or 0) < 0:
+        parser.error("--cases and --decoder-cases must be >= 0")
+    logging.disable(logging.WARNING)  # every refusal logs a warning: millions of lines
+    torch.set_num_threads(1)
+    decoder_cases = args.cases if args.decoder_cases is None else args.decoder_cases
+    results = {"transport": args.transport, "seed": args.seed}
+    with pull_wait_capped(), contextlib.ExitStack() as stack:
+        caller = stack.enter_context(GrpcCaller()) if args.transport == "grpc" else None
+        started = time.perf_counter()
+        servicer = run(
+            args.cases,
+            lambda draw: run_servicer_case(draw, caller) if caller else run_servicer_case(draw),
+            args.seed,
+        )
+        results["servicer"] = {**servicer.summary(), "wall_s": time.perf_counter() - started}
+        started = time.perf_counter()
+        decoder = run(decoder_cases, run_decoder_case, args.seed)
+        results["decoder"] = {**decoder.summary(), "wall_s": time.perf_counter() - started}
+    failed = False
+    for name in ("servicer", "decoder"):
+        r = results[name]
+        bad = r["crashes"] + r["hangs"] + r["state_changes"] + r["wrong_statuses"]
+        bad += r["nonfinite_states"] + r["good_learner_failures"] + r["other_violations"]
+        failed = failed or bad > 0
+        print(
+            f"{name}: {r['cases']} cases, {r['calls']} calls in {r['wall_s']:.0f} s: "
+            f"{r['crashes']} crashes, {r['hangs']} hangs, {r['state_changes']} state changes, "
+            f"{r['wrong_statuses']} wrong statuses, {r['nonfinite_states']} non-finite states, "
+            f"{r['good_learner_failures']} good-learner failures, {r['other_violations']} other; "
+            f"slowest call {r['max_call_s']:.3f} s; outcomes {r['outcomes']}"
+        )
+        for example in r["examples"]:
+            print(f"  {example[:2000]}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    raise SystemExit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

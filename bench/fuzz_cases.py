@@ -1,0 +1,347 @@
+"""One fuzz case and its properties, for the servicer and for the decoders.
+
+A servicer case: a fresh world (bench/fuzz_world.py), then 1-4 hostile calls, then the good
+learner pushes every fragment and pulls one back. Properties, checked after every call:
+
+- no crash (an exception other than the servicer's abort) and no hang (CALL_TIMEOUT_S);
+- a refusal carries one of REFUSALS; while every earlier call of the case was refused (so the
+  world is still as built), a `mutated_push` gets exactly the status its defect names;
+- a refused call leaves the aggregator's state bit-identical (state_digest). One refusal has a
+  designed side effect (commit 211bcb5): a push refused by the norm guard records its learner
+  as having taken part in the round with nothing, so a sync round does not wait for it; for
+  those the digest must differ by exactly that bookkeeping and nothing else;
+- an accepted call leaves parameters, momentum, residual and round sums finite;
+- afterwards the good learner's pushes are accepted and its pull returns the fragment.
+
+A decoder case feeds random or mutated bytes to decode_fragment, decode and apply_updates:
+each returns well-formed finite tensors or raises InvalidArgument/ResourceExhausted, and
+apply_updates leaves the replica untouched when it refuses.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+from hypothesis import strategies as st
+
+from bench.fuzz_strategies import (
+    ANY,
+    Call,
+    garbage_push,
+    mutated_push,
+    other_rpc,
+    random_payload,
+    random_tensor,
+    scenarios,
+)
+from bench.fuzz_world import (
+    CALL_TIMEOUT_S,
+    GOOD,
+    SPECS,
+    Outcome,
+    World,
+    build_world,
+    call_direct,
+    small_delta,
+    state_digest,
+    state_is_finite,
+)
+from common.codec import decode
+from common.errors import DilocoError, InvalidArgument, ResourceExhausted
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import apply_updates, decode_fragment, encode_fragment, params_crc32
+
+Code = grpc.StatusCode
+REFUSALS = frozenset(
+    {
+        Code.INVALID_ARGUMENT,
+        Code.FAILED_PRECONDITION,
+        Code.NOT_FOUND,
+        Code.ALREADY_EXISTS,
+        Code.RESOURCE_EXHAUSTED,
+        Code.PERMISSION_DENIED,
+    }
+)
+# A caller runs one call against the world: in-process (call_direct) or over real gRPC.
+Caller = Callable[[World, str, Any], Outcome]
+
+
+def direct_caller(world: World, rpc: str, request: Any) -> Outcome:
+    return call_direct(world.servicer, rpc, request, timeout_s=CALL_TIMEOUT_S)
+
+
+@dataclass
+class CaseReport:
+    labels: list[str] = field(default_factory=list)
+    codes: list[str] = field(default_factory=list)  # "accepted" or the status name, per call
+    violations: list[str] = field(default_factory=list)  # "kind: detail"
+    max_call_s: float = 0.0
+
+
+def run_servicer_case(draw: Callable, caller: Caller = direct_caller) -> CaseReport:
+    """Build a world, send it hostile calls, check every property; see the module docstring."""
+    world = build_world(draw(scenarios))
+    report = CaseReport()
+    fresh = True  # no call changed the world yet: mutated pushes' expected codes hold
+    for n in range(draw(st.integers(1, 4))):
+        family = (
+            mutated_push
+            if n == 0
+            else draw(st.sampled_from([mutated_push, garbage_push, other_rpc]))
+        )
+        call = draw(family(world))
+        outcome = _checked_call(world, call, caller, exact=fresh, report=report)
+        if outcome is None:
+            return report  # a crash or hang: the world is not to be trusted any more
+        fresh = fresh and outcome.code is not None and not _norm_refusal(outcome)
+        _learn_session(world, call, outcome)
+    for fid in range(world.scenario.fragments):
+        outcome = _good_push(world, caller, fid)
+        if outcome.code is not None or outcome.crash or outcome.hang:
+            report.violations.append(f"good_push_failed: fragment {fid}: {_describe(outcome)}")
+    request = pb.PullParamsRequest(session_id=world.sessions[GOOD], fragment_id=0, have_version=-1)
+    pulled = caller(world, "PullParams", request)
+    if pulled.code is not None or pulled.crash or pulled.hang:
+        report.violations.append(f"good_pull_failed: {_describe(pulled)}")
+    elif pulled.response[0].header.params_crc32 != params_crc32(world.aggregator.params(0)):
+        report.violations.append("good_pull_failed: checksum differs from the server's params")
+    return report
+
+
+def _checked_call(
+    world: World, call: Call, caller: Caller, exact: bool, report: CaseReport
+) -> Outcome | None:
+    before = state_digest(world.aggregator)
+    outcome = caller(world, call.rpc, call.request)
+    report.labels.append(call.label)
+    report.codes.append("accepted" if outcome.code is None else outcome.code.name)
+    report.max_call_s = max(report.max_call_s, outcome.elapsed_s)
+    where = f"{call.label} {call.rpc}({_short(call.request)})"
+    if outcome.hang:
+        report.violations.append(f"hang: {where}")
+        return None
+    if outcome.crash:
+        report.violations.append(f"crash: {where}: {outcome.crash}")
+        return None
+    if outcome.code is not None and outcome.code not in REFUSALS:
+        report.violations.append(f"crash: {where}: status {outcome.code.name} {outcome.details}")
+        return None
+    if exact and call.expect is not ANY and outcome.code != call.expect:
+        want = "accepted" if call.expect is None else call.expect.name
+        report.violations.append(f"wrong_status: {where}: want {want}, got {_describe(outcome)}")
+    if outcome.code is None:
+        if not state_is_finite(world.aggregator):
+            report.violations.append(f"nonfinite_state: accepted {where}")
+        return outcome
+    expected = _after_norm_refusal(world, call, before) if _norm_refusal(outcome) else before
+    after = state_digest(world.aggregator)
+    if after != expected:
+        report.violations.append(
+            f"state_change: refused {where} ({_describe(outcome)}) changed {_diff(expected, after)}"
+        )
+    return outcome
+
+
+def _norm_refusal(outcome: Outcome) -> bool:
+    return outcome.code == Code.FAILED_PRECONDITION and outcome.details.startswith("push refused")
+
+
+def _after_norm_refusal(world: World, call: Call, before: dict) -> dict:
+    """The designed bookkeeping of a norm-guard refusal: the learner took part with nothing."""
+    header = call.request[0].header
+    learner = next(lid for lid, sid in world.sessions.items() if sid == header.session_id)
+    expected = copy.deepcopy(before)
+    fragment = expected["fragments"][header.fragment_id]
+    fragment["contributors"] = tuple(sorted({*fragment["contributors"], learner}))
+    bases = dict(fragment["last_push_base"])
+    bases[learner] = header.base_version
+    fragment["last_push_base"] = tuple(sorted(bases.items()))
+    return expected
+
+
+def _learn_session(world: World, call: Call, outcome: Outcome) -> None:
+    """An accepted Join gives the fuzzer one more session to use (and replaces a rejoiner's)."""
+    if call.rpc == "Join" and outcome.code is None:
+        world.sessions[call.request.learner_id] = outcome.response.session_id
+
+
+def _good_push(world: World, caller: Caller, fid: int) -> Outcome:
+    payload = encode_fragment(small_delta(world.shapes[fid], seed=7 + fid), "fp4_e2m1")
+    header = pb.PushHeader(
+        session_id=world.sessions[GOOD],
+        fragment_id=fid,
+        base_version=world.version(fid),
+        inner_steps=10,
+        tokens=1000,
+        kind=pb.PUSH_KIND_DELTA,
+        payload_bytes=len(payload),
+    )
+    messages = [pb.PushFragmentRequest(header=header), pb.PushFragmentRequest(chunk=payload)]
+    return caller(world, "PushFragment", messages)
+
+
+def _describe(outcome: Outcome) -> str:
+    if outcome.hang:
+        return "hang"
+    if outcome.crash:
+        return "crash " + outcome.crash.strip().splitlines()[-1]
+    return "accepted" if outcome.code is None else f"{outcome.code.name} ({outcome.details})"
+
+
+def _short(request: Any, limit: int = 300) -> str:
+    text = repr(request)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _diff(a: dict, b: dict, prefix: str = "") -> str:
+    keys = [k for k in a.keys() | b.keys() if a.get(k) != b.get(k)]
+    parts = []
+    for k in sorted(keys, key=str):
+        if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+            parts.append(_diff(a[k], b[k], f"{prefix}{k}."))
+        else:
+            parts.append(f"{prefix}{k}")
+    return ", ".join(parts)
+
+
+# -- decoders ----------------------------------------------------------------------------
+
+
+def run_decoder_case(draw: Callable) -> CaseReport:
+    """decode_fragment, decode and apply_updates on hostile bytes; see the module docstring."""
+    report = CaseReport()
+    shapes = draw(
+        st.one_of(
+            st.just([s for _, s in SPECS]),
+            st.lists(st.lists(st.integers(0, 40), max_size=3).map(tuple), min_size=1, max_size=3),
+        )
+    )
+    which = draw(st.sampled_from(["decode_fragment", "decode", "apply_updates"]))
+    if which == "decode_fragment":
+        data = draw(st.one_of(random_payload(shapes), _mutated_bytes(shapes)))
+        _check_decoder(report, which, lambda: decode_fragment(data, shapes), shapes)
+    elif which == "decode":
+        msg = draw(random_tensor(shapes[0]))
+        expected = draw(st.sampled_from([shapes[0], None]))
+        want = None if expected is None else [expected]
+        _check_decoder(report, which, lambda: [decode(msg, expected)], want)
+    else:
+        replica = small_delta(shapes, draw(st.integers(0, 2**16)))
+        before = [t.clone() for t in replica]
+        have = draw(st.integers(-2, 5))
+        updates = [draw(random_payload(shapes)) for _ in range(draw(st.integers(0, 3)))]
+        chain = pb.FragmentUpdates(
+            from_version=draw(st.sampled_from([have, have + 1, -(2**63)])),
+            updates=[_parse_or_empty(u) for u in updates],
+        ).SerializeToString()
+        data = draw(st.one_of(st.just(chain), st.binary(max_size=200)))
+        refused = _check_decoder(report, which, lambda: apply_updates(replica, data, have), None)
+        if refused and not all(torch.equal(a, b) for a, b in zip(before, replica, strict=True)):
+            report.violations.append("state_change: refused update chain changed the replica")
+    return report
+
+
+def _parse_or_empty(data: bytes) -> pb.EncodedFragment:
+    try:
+        return pb.EncodedFragment.FromString(data)
+    except Exception:  # noqa: BLE001 - random bytes: use an empty update instead
+        return pb.EncodedFragment()
+
+
+@st.composite
+def _mutated_bytes(draw, shapes: list[tuple[int, ...]]) -> bytes:
+    """A valid fragment encoding, then truncated, extended or with bytes flipped."""
+    codec = draw(st.sampled_from(["fp32", "bf16", "fp4_e2m1", "fp4_e3m0"]))
+    data = bytearray(encode_fragment(small_delta(shapes, draw(st.integers(0, 2**16))), codec))
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(["flip", "cut", "extend"]))
+        if op == "flip" and data:
+            data[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
+        elif op == "cut":
+            del data[draw(st.integers(0, len(data))) :]
+        else:
+            data += draw(st.binary(max_size=16))
+    return bytes(data)
+
+
+def _check_decoder(report: CaseReport, name: str, fn: Callable, shapes) -> bool:
+    """Run fn bounded in time; True when it refused the input cleanly."""
+    started = time.perf_counter()
+    try:
+        result = fn()
+    except (InvalidArgument, ResourceExhausted) as err:
+        report.codes.append(err.code.name)
+        return True
+    except DilocoError as err:
+        report.violations.append(f"wrong_status: {name} raised {type(err).__name__}: {err}")
+        return True
+    except Exception:  # noqa: BLE001 - anything else is a crash
+        report.violations.append(f"crash: {name}: {traceback.format_exc()}")
+        return True
+    finally:
+        elapsed = time.perf_counter() - started
+        report.max_call_s = max(report.max_call_s, elapsed)
+        if elapsed > CALL_TIMEOUT_S:
+            report.violations.append(f"hang: {name} took {elapsed:.1f} s")
+    report.codes.append("accepted")
+    if isinstance(result, list):
+        got = [tuple(t.shape) for t in result]
+        if shapes is not None and got != [tuple(s) for s in shapes]:
+            report.violations.append(f"wrong_result: {name} returned shapes {got}, not {shapes}")
+        if not all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in result):
+            report.violations.append(f"wrong_result: {name} returned non-finite or non-fp32")
+    return False
+
+
+@dataclass
+class Tally:
+    """Counts over many cases, for the long run's report."""
+
+    cases: int = 0
+    calls: int = 0
+    outcomes: collections.Counter = field(default_factory=collections.Counter)
+    labels: collections.Counter = field(default_factory=collections.Counter)
+    violations: collections.Counter = field(default_factory=collections.Counter)
+    examples: list[str] = field(default_factory=list)
+    max_call_s: float = 0.0
+
+    def add(self, report: CaseReport, keep_examples: int = 5) -> None:
+        self.cases += 1
+        self.calls += len(report.codes)
+        self.outcomes.update(report.codes)
+        self.labels.update(report.labels)
+        self.max_call_s = max(self.max_call_s, report.max_call_s)
+        for violation in report.violations:
+            self.violations[violation.split(":", 1)[0]] += 1
+            if len(self.examples) < keep_examples:
+                self.examples.append(violation[:3000])
+
+    def summary(self) -> dict[str, Any]:
+        counted = {
+            "crash": "crashes",
+            "hang": "hangs",
+            "state_change": "state_changes",
+            "wrong_status": "wrong_statuses",
+            "nonfinite_state": "nonfinite_states",
+        }
+        good = ("good_push_failed", "good_pull_failed")
+        return {
+            "cases": self.cases,
+            "calls": self.calls,
+            **{plural: self.violations.get(kind, 0) for kind, plural in counted.items()},
+            "good_learner_failures": sum(self.violations.get(k, 0) for k in good),
+            "other_violations": sum(
+                n for k, n in self.violations.items() if k not in counted and k not in good
+            ),
+            "outcomes": dict(self.outcomes.most_common()),
+            "max_call_s": round(self.max_call_s, 4),
+            "examples": self.examples,
+        }
