@@ -27,6 +27,7 @@ from server.config import AggregatorConfig
 from server.durable import LogRecord, StateStore
 from server.events import AggregatorEvents
 from server.fragment import FragmentState, PullResult, Round
+from server.ingest import DenseBody, PushBody
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import NormGuard, contribution_weight, grace_window_s, staleness_discount
 
@@ -198,7 +199,7 @@ class Aggregator:
         """Adopt a learner's initial parameters as version 0 of a fragment that has none."""
         with self._cond:
             fragment = self._check_header(session_id, fragment_id, -1, initial=True)
-            _check_shapes(fragment, tensors)
+            _check_shapes(fragment, [tuple(t.shape) for t in tensors])
             fragment.initialize(tensors)
             if self._store is not None:
                 self._write_snapshot(self._store)  # durable before anyone can pull it
@@ -210,20 +211,28 @@ class Aggregator:
         session_id: str,
         fragment_id: int,
         base_version: int,
-        tensors: list[torch.Tensor],
+        tensors: Sequence[torch.Tensor] | PushBody,
         tokens: int = 0,
         inner_steps: int = 0,
     ) -> int:
         """Add a pseudo-gradient to the fragment's open round; returns the version it helps
-        produce (the learner waits for that one)."""
+        produce (the learner waits for that one).
+
+        `tensors` is the decoded pseudo-gradient or a PushBody that the servicer checked in
+        its wire encoding (server/ingest.py); a PushBody's norm and magnitude were computed
+        outside the lock, and it is decoded straight into the round's sum."""
+        body = tensors if isinstance(tensors, PushBody) else DenseBody(tensors)
         with self._cond:
             fragment = self._check_header(session_id, fragment_id, base_version, initial=False)
             session = self._sessions[session_id]
-            _check_shapes(fragment, tensors)
-            _check_magnitude(tensors)
+            _check_shapes(fragment, body.shapes)
+            if body.max_abs > MAX_DELTA_ABS:
+                raise InvalidArgument(
+                    f"pseudo-gradient values exceed {MAX_DELTA_ABS:g} in magnitude"
+                )
             if tokens < 0 or inner_steps < 0:
                 raise InvalidArgument("tokens and inner_steps must be >= 0")
-            norm = math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+            norm = body.norm
             guard = self._norm_guards[fragment_id]
             try:
                 guard.check(norm)
@@ -239,7 +248,7 @@ class Aggregator:
             except ValueError as err:
                 raise InvalidArgument(str(err)) from err
             discount = staleness_discount(fragment.version - base_version)
-            fragment.add(session.learner_id, tensors, tokens, weight, discount)
+            fragment.add(session.learner_id, body, tokens, weight, discount)
             fragment.last_push_base[session.learner_id] = base_version
             self._last_weight[session.learner_id] = weight
             guard.record(norm)
@@ -515,14 +524,8 @@ class Aggregator:
 MAX_DELTA_ABS = 1e12
 
 
-def _check_magnitude(tensors: Sequence[torch.Tensor]) -> None:
-    for t in tensors:
-        if t.numel() and float(t.abs().max()) > MAX_DELTA_ABS:
-            raise InvalidArgument(f"pseudo-gradient values exceed {MAX_DELTA_ABS:g} in magnitude")
-
-
-def _check_shapes(fragment: FragmentState, tensors: Sequence[torch.Tensor]) -> None:
-    shapes = [tuple(t.shape) for t in tensors]
+def _check_shapes(fragment: FragmentState, shapes: Sequence[tuple[int, ...]]) -> None:
+    shapes = [tuple(s) for s in shapes]
     if shapes != fragment.shapes:
         raise InvalidArgument(
             f"fragment {fragment.fragment_id} expects {len(fragment.shapes)} tensors with "

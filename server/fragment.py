@@ -10,6 +10,7 @@ torch.optim.SGD's and learners pull full snapshots.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -19,7 +20,11 @@ import torch
 from common.codec import codec_id, decode, encode
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import encode_fragment, params_crc32
+from server.ingest import DenseBody, PushBody
 from server.outer import OuterOptimizer
+
+# Update chains kept per fragment for the current version (by the version pulled from).
+CACHED_CHAINS = 2
 
 
 @dataclass
@@ -73,6 +78,9 @@ class FragmentState:
         # (version the update starts from, the quantized update) for the newest versions.
         self._updates: deque[tuple[int, pb.EncodedFragment]] = deque(maxlen=update_log_versions)
         self._snapshot: PullResult | None = None
+        self._chains: dict[int, PullResult] = {}  # have_version -> chain, current version
+        self._crc: tuple[int, int] | None = None  # (version, params_crc32)
+        self._numel = sum(math.prod(shape) for shape in shapes)
         self.last_mean: list[torch.Tensor] | None = None  # of the last round, for the log
         # learner -> base_version of its last accepted push: a retried push counts once.
         self.last_push_base: dict[str, int] = {}
@@ -84,21 +92,17 @@ class FragmentState:
     def add(
         self,
         learner_id: str,
-        tensors: list[torch.Tensor],
+        body: PushBody | DenseBody,
         tokens: int,
         weight: float = 1.0,
         discount: float = 1.0,
     ) -> None:
-        """Add a pseudo-gradient with its weight and staleness discount to the open round."""
+        """Add a pseudo-gradient with its weight and staleness discount to the open round.
+
+        A PushBody is decoded into the sum a chunk at a time (server/ingest.py): no
+        per-learner float32 copy of the fragment is ever made."""
         rnd, scale = self.round, weight * discount
-        if rnd.delta_sum is None:
-            rnd.delta_sum = [t.detach().to(torch.float32).clone() for t in tensors]
-            if scale != 1.0:
-                for acc in rnd.delta_sum:
-                    acc.mul_(scale)
-        else:
-            for acc, t in zip(rnd.delta_sum, tensors, strict=True):
-                acc.add_(t, alpha=scale)
+        rnd.delta_sum = body.add_to(rnd.delta_sum, scale)
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
         rnd.pushes += 1
@@ -129,6 +133,7 @@ class FragmentState:
         else:
             self._apply_quantized(self.outer.update(mean))
         self.version += 1
+        self._snapshot, self._chains = None, {}  # old answers: free their memory now
 
     def state_dict(self) -> dict:
         """Everything needed to resume this fragment exactly: parameters, version, outer
@@ -150,20 +155,49 @@ class FragmentState:
         self._updates.clear()
         for start, data in state["updates"]:
             self._updates.append((start, pb.EncodedFragment.FromString(data)))
-        self._snapshot = None
+        self._snapshot, self._chains, self._crc = None, {}, None
 
     def pull(self, have_version: int) -> PullResult:
-        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""
-        snapshot = self._current_snapshot()
+        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot.
+
+        Answers are built once per version and shared: every learner at the same version gets
+        the same bytes, so the serialization cost and memory do not grow with the learners.
+        The float32 snapshot is built only when someone needs it, not on every pull.
+        """
+        crc = self._current_crc32()
         if have_version >= self.version:
-            return PullResult(pb.PULL_KIND_UP_TO_DATE, self.version, b"", snapshot.params_crc32)
+            return PullResult(pb.PULL_KIND_UP_TO_DATE, self.version, b"", crc)
         log_covers = bool(self._updates) and 0 <= self._updates[0][0] <= have_version
         if log_covers:
-            chain = [msg for start, msg in self._updates if start >= have_version]
-            data = pb.FragmentUpdates(from_version=have_version, updates=chain).SerializeToString()
-            if len(data) < len(snapshot.payload):
-                return PullResult(pb.PULL_KIND_UPDATES, self.version, data, snapshot.params_crc32)
-        return snapshot
+            chain = self._chain(have_version, crc)
+            # A snapshot is at least 4 bytes a value: compare with it only when that is close.
+            if len(chain.payload) < 4 * self._numel or len(chain.payload) < len(
+                self._current_snapshot().payload
+            ):
+                return chain
+        return self._current_snapshot()
+
+    def _chain(self, have_version: int, crc: int) -> PullResult:
+        """The update chain from `have_version`, cached for the current version (the newest
+        few starting points only: learners mostly pull from the version just before)."""
+        cached = self._chains.get(have_version)
+        if cached is not None and cached.version == self.version:
+            return cached
+        if any(c.version != self.version for c in self._chains.values()):
+            self._chains.clear()
+        if len(self._chains) >= CACHED_CHAINS:
+            self._chains.pop(next(iter(self._chains)))
+        chain = [msg for start, msg in self._updates if start >= have_version]
+        data = pb.FragmentUpdates(from_version=have_version, updates=chain).SerializeToString()
+        result = PullResult(pb.PULL_KIND_UPDATES, self.version, data, crc)
+        self._chains[have_version] = result
+        return result
+
+    def _current_crc32(self) -> int:
+        if self._crc is None or self._crc[0] != self.version:
+            assert self.params is not None
+            self._crc = (self.version, params_crc32(self.params))
+        return self._crc[1]
 
     def _apply_quantized(self, update: list[torch.Tensor]) -> None:
         assert self.params is not None
@@ -186,6 +220,6 @@ class FragmentState:
                 pb.PULL_KIND_SNAPSHOT,
                 self.version,
                 encode_fragment(self.params, "fp32"),
-                params_crc32(self.params),
+                self._current_crc32(),
             )
         return self._snapshot

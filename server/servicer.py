@@ -21,6 +21,7 @@ from common.traffic import NO_FRAGMENT, Traffic
 from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
 from server.aggregator import Aggregator, ParamSpec
 from server.auth import authenticated_learner
+from server.ingest import IngestSlots
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +46,13 @@ def _abort_on_domain_error(method):
 
 
 class AggregatorServicer(pb_grpc.AggregatorServicer):
-    def __init__(self, aggregator: Aggregator) -> None:
+    def __init__(self, aggregator: Aggregator, ingest_slots: int = 0) -> None:
         self.aggregator = aggregator
         self.traffic = Traffic()
         # "accepted" or the rejection's status code name (a bounded set): for metrics.
         self.push_results: collections.Counter[str] = collections.Counter()
-        self._decode_slots = threading.BoundedSemaphore(os.cpu_count() or 1)
+        # Two per core: one push can be received while another is decoded.
+        self._ingest = IngestSlots(ingest_slots or 2 * (os.cpu_count() or 1))
         self._push_results_lock = threading.Lock()
 
     def count_push(self, result: str) -> None:
@@ -107,22 +109,24 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
         limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
         pieces = (self._chunk_of(msg, fid) for msg in request_iterator)
-        payload = join_chunks(pieces, header.payload_bytes, limit)
-        # Decoding is CPU-bound and allocates several float32 copies of the fragment: at most
-        # one per core at a time, so memory does not grow with the number of learners.
-        with self._decode_slots:
-            tensors = decode_fragment(payload, shapes)
-        if initial:
-            version = agg.initialize(header.session_id, fid, tensors)
-        else:
-            version = agg.push(
-                header.session_id,
-                fid,
-                header.base_version,
-                tensors,
-                tokens=header.tokens,
-                inner_steps=header.inner_steps,
-            )
+        # A slot bounds how many payloads are buffered and decoded at once, so memory does not
+        # grow with the number of learners; a push is added to the round's sum straight from
+        # its wire encoding, without a float32 copy of its own (server/ingest.py).
+        with self._ingest.take() as slot:
+            payload = join_chunks(pieces, header.payload_bytes, limit)
+            if initial:
+                version = agg.initialize(header.session_id, fid, decode_fragment(payload, shapes))
+            else:
+                body = slot.parse(payload, shapes)
+                del payload  # the body holds the tensors' bytes; the rest can go now
+                version = agg.push(
+                    header.session_id,
+                    fid,
+                    header.base_version,
+                    body,
+                    tokens=header.tokens,
+                    inner_steps=header.inner_steps,
+                )
         response = pb.PushFragmentResponse(accepted=True, round_version=version)
         self.count_push("accepted")
         self.traffic.count(fid, sent=response.ByteSize())

@@ -1,0 +1,246 @@
+"""Push ingest whose memory is bounded by a fixed number of slots, never by the learners.
+
+    slots = IngestSlots(count=4)
+    with slots.take() as slot:                      # at most `count` pushes at a time
+        body = slot.parse(payload, shapes)          # validated; norm and max |value| known
+        aggregator.push(session, fid, base, body)   # adds Σ w·Δ a chunk at a time
+
+Why: decoding a whole push to float32 and then adding it to the round's sum kept one full
+float32 copy per learner alive (plus about ten temporaries of the same size in the decoder),
+and those copies waited on the aggregator lock, so the server's memory grew with the number
+of learners (bench/load.py: 1.6 GB for a 4 MiB model at 64 learners). Here a push stays in its
+wire encoding (4 bits per value for fp4) and is decoded `CHUNK_VALUES` at a time, twice: once
+before the lock, to check every value and compute the norm the NormGuard needs, and once under
+the lock, straight into the round's sum. A chunk of float32 stays in the CPU cache between the
+decode and the add, so the second decode costs less than the memory traffic of a full copy.
+
+Every check of `common.wire.decode_fragment` and `common.codec.decode` is made here too, in the
+same order and with the same messages (tests/unit/test_ingest.py holds the two to each other),
+and the values are bit-identical: chunks are decoded by `common.codec.dequantize_fp4` itself,
+and an element-wise add over a slice gives the same float32 as over the whole tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError
+
+from common.codec import CODEC_NAMES, FP4_BLOCK, dequantize_fp4, encoded_sizes
+from common.errors import InvalidArgument
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+
+# Values decoded at a time: 512 KiB of float32, small enough to stay in cache from the decode
+# to the add, large enough that the per-chunk Python overhead (~30 µs) stays a few percent.
+CHUNK_VALUES = 1 << 17
+_NOT_FINITE = "tensor holds NaN or infinite values"
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One checked tensor of a push, still in its wire encoding."""
+
+    codec: int
+    shape: tuple[int, ...]
+    numel: int
+    payload: bytes
+    scales: bytes
+
+
+class _Scratch:
+    """Fixed-size buffers for decoding one chunk (one per slot, reused for every push)."""
+
+    def __init__(self) -> None:
+        self.raw = torch.empty(4 * CHUNK_VALUES, dtype=torch.uint8)  # fp32 chunk, the widest
+        self.scales = torch.empty(CHUNK_VALUES // FP4_BLOCK, dtype=torch.uint8)
+        self.wide = torch.empty(CHUNK_VALUES, dtype=torch.float64)  # for the sum of squares
+        self._raw_np, self._scales_np = self.raw.numpy(), self.scales.numpy()
+
+    def chunk(self, t: _Tensor, start: int, stop: int) -> torch.Tensor:
+        """Values [start, stop) of `t` as float32 (start a multiple of CHUNK_VALUES); valid
+        until the next call. Raises InvalidArgument for a NaN scale or a non-finite value."""
+        n = stop - start
+        if t.codec == pb.CODEC_FP32:
+            self._copy(self._raw_np, t.payload, 4 * start, 4 * n)
+            values = self.raw[: 4 * n].view(torch.float32)
+        elif t.codec == pb.CODEC_BF16:
+            self._copy(self._raw_np, t.payload, 2 * start, 2 * n)
+            values = self.raw[: 2 * n].view(torch.bfloat16).float()
+        else:
+            n_bytes, n_scales = (n + 1) // 2, (n + FP4_BLOCK - 1) // FP4_BLOCK
+            self._copy(self._raw_np, t.payload, start // 2, n_bytes)
+            self._copy(self._scales_np, t.scales, start // FP4_BLOCK, n_scales)
+            # Checks the scales and that nothing decodes to infinity, like codec.decode.
+            return dequantize_fp4(self.raw[:n_bytes], self.scales[:n_scales], n, t.codec)
+        low, high = torch.aminmax(values)  # NaN and infinities propagate to the extremes
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+            raise InvalidArgument(_NOT_FINITE)
+        return values
+
+    @staticmethod
+    def _copy(dest: np.ndarray, source: bytes, offset: int, count: int) -> None:
+        dest[:count] = np.frombuffer(source, dtype=np.uint8, count=count, offset=offset)
+
+
+class PushBody:
+    """A validated push: its tensors in wire encoding, their norm and largest magnitude.
+
+    `add_to` decodes it into a round's sums; it uses the slot's scratch, so it is valid only
+    while the slot that parsed it is held.
+    """
+
+    def __init__(
+        self, tensors: list[_Tensor], scratch: _Scratch, squares: float, max_abs: float
+    ) -> None:
+        self._tensors, self._scratch = tensors, scratch
+        self.shapes = [t.shape for t in tensors]
+        self.norm = math.sqrt(squares)  # float64 sum of squares, as the NormGuard wants
+        self.max_abs = max_abs
+
+    def add_to(self, sums: list[torch.Tensor] | None, scale: float) -> list[torch.Tensor]:
+        """sums += scale·Δ (new sums of scale·Δ when None), the same float32 operations as
+        `clone().mul_(scale)` and `add_(Δ, alpha=scale)` on whole tensors."""
+        first = sums is None
+        if first:
+            sums = [torch.empty(t.shape, dtype=torch.float32) for t in self._tensors]
+        flats = {id(t): s.view(-1) for t, s in zip(self._tensors, sums, strict=True)}
+        for t, start, stop in self._chunks():
+            values = self._scratch.chunk(t, start, stop)
+            target = flats[id(t)][start:stop]
+            if first:
+                target.copy_(values)
+                if scale != 1.0:
+                    target.mul_(scale)
+            else:
+                target.add_(values, alpha=scale)
+        return sums
+
+    def _chunks(self) -> Iterator[tuple[_Tensor, int, int]]:
+        for t in self._tensors:
+            for start, stop in _spans(t.numel):
+                yield t, start, stop
+
+
+def _spans(numel: int) -> Iterator[tuple[int, int]]:
+    for start in range(0, numel, CHUNK_VALUES):
+        yield start, min(start + CHUNK_VALUES, numel)
+
+
+def _value_stats(t: _Tensor, scratch: _Scratch) -> tuple[float, float]:
+    """(sum of squares in float64, largest magnitude) of a tensor's values, a chunk at a
+    time; raises InvalidArgument for a value that is not finite."""
+    squares, max_abs = 0.0, 0.0
+    for start, stop in _spans(t.numel):
+        values = scratch.chunk(t, start, stop)
+        low, high = torch.aminmax(values)
+        max_abs = max(max_abs, -float(low), float(high))
+        wide = scratch.wide[: stop - start]
+        wide.copy_(values)
+        squares += float(torch.dot(wide, wide))
+    return squares, max_abs
+
+
+def _check_tensor(msg: pb.EncodedTensor, expected: tuple[int, ...]) -> _Tensor:
+    """codec.decode's checks, in its order and words, without decoding anything."""
+    shape = tuple(msg.shape)
+    if any(dim < 0 for dim in shape):
+        raise InvalidArgument(f"negative dimension in shape {shape}")
+    if shape != tuple(expected):
+        raise InvalidArgument(f"shape {shape} does not match expected {tuple(expected)}")
+    numel = math.prod(shape)
+    payload, scales = msg.payload, msg.scales  # each read copies out of the message: once
+    payload_len, scales_len = encoded_sizes(msg.codec, numel)
+    if len(payload) != payload_len or len(scales) != scales_len:
+        raise InvalidArgument(
+            f"{CODEC_NAMES.get(msg.codec)} tensor of shape {shape} needs {payload_len} payload "
+            f"and {scales_len} scale bytes, got {len(payload)} and {len(scales)}"
+        )
+    if zlib.crc32(scales, zlib.crc32(payload)) != msg.crc32:
+        raise InvalidArgument("tensor checksum mismatch")
+    return _Tensor(msg.codec, shape, numel, payload, scales)
+
+
+class IngestSlot:
+    """Scratch for one push at a time; see IngestSlots."""
+
+    def __init__(self) -> None:
+        self._scratch = _Scratch()
+
+    def parse(self, data: bytes | bytearray, shapes: Sequence[tuple[int, ...]]) -> PushBody:
+        """Check a serialized EncodedFragment against the fragment's shapes and read its norm
+        and largest magnitude; raises InvalidArgument like common.wire.decode_fragment."""
+        try:
+            msg = pb.EncodedFragment.FromString(data)
+        except DecodeError as err:
+            raise InvalidArgument(
+                f"fragment payload is not a valid EncodedFragment: {err}"
+            ) from err
+        if len(msg.tensors) != len(shapes):
+            raise InvalidArgument(
+                f"fragment has {len(msg.tensors)} tensors, expected {len(shapes)}"
+            )
+        if len({t.codec for t in msg.tensors}) > 1:
+            raise InvalidArgument("all tensors of a fragment must use one codec")
+        tensors, squares, max_abs = [], 0.0, 0.0
+        for t, shape in zip(msg.tensors, shapes, strict=True):
+            tensors.append(_check_tensor(t, shape))
+            # Its values before the next tensor's header, in codec.decode's order.
+            tensor_squares, tensor_max = _value_stats(tensors[-1], self._scratch)
+            squares, max_abs = squares + tensor_squares, max(max_abs, tensor_max)
+        return PushBody(tensors, self._scratch, squares, max_abs)
+
+
+class IngestSlots:
+    """At most `count` pushes are received, checked and added at once; the rest wait for a
+    slot before reading their payload, so what the server buffers is bounded by `count`
+    payloads (plus gRPC's flow-control window per waiting stream), not by the learners."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"ingest slot count must be >= 1, got {count}")
+        self.count = count
+        self._free: queue.SimpleQueue[IngestSlot] = queue.SimpleQueue()
+        for _ in range(count):
+            self._free.put(IngestSlot())
+
+    @contextlib.contextmanager
+    def take(self) -> Iterator[IngestSlot]:
+        slot = self._free.get()
+        try:
+            yield slot
+        finally:
+            self._free.put(slot)
+
+
+class DenseBody:
+    """A push already decoded to tensors (in-process callers, tests): the same interface as
+    PushBody, with the norm and magnitude computed on the whole tensors."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors = list(tensors)
+        self.shapes = [tuple(t.shape) for t in self._tensors]
+        self.max_abs = 0.0
+        for t in self._tensors:
+            largest = float(t.abs().max()) if t.numel() else 0.0
+            if largest > self.max_abs:  # a NaN never wins: the norm check refuses it
+                self.max_abs = largest
+        self.norm = math.sqrt(sum(float(t.double().square().sum()) for t in self._tensors))
+
+    def add_to(self, sums: list[torch.Tensor] | None, scale: float) -> list[torch.Tensor]:
+        """sums += scale·Δ (new sums of scale·Δ when None)."""
+        if sums is None:
+            sums = [t.detach().to(torch.float32).clone() for t in self._tensors]
+            if scale != 1.0:
+                for acc in sums:
+                    acc.mul_(scale)
+            return sums
+        for acc, t in zip(sums, self._tensors, strict=True):
+            acc.add_(t, alpha=scale)
+        return sums

@@ -1,0 +1,129 @@
+"""server/ingest.py: a push added from its wire encoding equals the decoded path bit for bit,
+and is refused for exactly the inputs (and with the words) that decode_fragment refuses."""
+
+import threading
+import zlib
+
+import pytest
+import torch
+
+from common.codec import encode
+from common.errors import InvalidArgument
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import decode_fragment, encode_fragment
+from server.ingest import CHUNK_VALUES, DenseBody, IngestSlot, IngestSlots
+
+# One tensor crosses chunk boundaries with an odd tail; one is smaller than a block.
+SHAPES = [(3, CHUNK_VALUES // 2 + 17), (5,), (0, 4)]
+CODECS = ["fp32", "bf16", "fp4_e2m1", "fp4_e3m0"]
+
+
+def deltas(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen) * 1e-3 for s in SHAPES]
+
+
+def bits(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.view(torch.int32) for t in tensors]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_sum_from_wire_encoding_is_bit_identical_to_decoded_sum(codec: str) -> None:
+    slot = IngestSlot()
+    dense_sums = wire_sums = None
+    for seed, scale in [(1, 0.37), (2, 1.0), (3, 1 / 3)]:
+        data = encode_fragment(deltas(seed), codec)
+        dense = DenseBody(decode_fragment(data, SHAPES))
+        body = slot.parse(data, SHAPES)
+        assert body.shapes == dense.shapes
+        assert body.max_abs == dense.max_abs
+        assert body.norm == pytest.approx(dense.norm, rel=1e-12)
+        dense_sums = dense.add_to(dense_sums, scale)
+        wire_sums = body.add_to(wire_sums, scale)
+        for a, b in zip(bits(dense_sums), bits(wire_sums), strict=True):
+            assert torch.equal(a, b)
+
+
+def fp32_tensor_with(value: float) -> pb.EncodedTensor:
+    t = torch.zeros(SHAPES[0])
+    t.view(-1)[CHUNK_VALUES + 3] = value  # in the second chunk
+    return encode(t, "fp32") if value == 0 else _forged_fp32(t)
+
+
+def _forged_fp32(t: torch.Tensor) -> pb.EncodedTensor:
+    """encode() refuses non-finite values; a hostile learner does not."""
+
+    payload = t.numpy().tobytes()
+    return pb.EncodedTensor(
+        codec=pb.CODEC_FP32, shape=list(t.shape), payload=payload, crc32=zlib.crc32(payload)
+    )
+
+
+def _rest(codec: str) -> list[pb.EncodedTensor]:
+    return [encode(t, codec) for t in deltas(9)[1:]]
+
+
+def malformed() -> list[bytes]:
+    good = pb.EncodedFragment.FromString(encode_fragment(deltas(5), "fp4_e2m1"))
+    cases = [b"\xff\xff\xff", encode_fragment(deltas(5)[:2], "fp4_e2m1")]
+    mixed = pb.EncodedFragment()
+    mixed.CopyFrom(good)
+    mixed.tensors[1].CopyFrom(encode(deltas(5)[1], "fp32"))
+    cases.append(mixed.SerializeToString())
+    for field, value in [("shape", [3, 7]), ("payload", b"x"), ("crc32", 1)]:
+        bad = pb.EncodedFragment()
+        bad.CopyFrom(good)
+        if field == "shape":
+            del bad.tensors[0].shape[:]
+            bad.tensors[0].shape.extend(value)
+        else:
+            setattr(bad.tensors[0], field, value)
+        cases.append(bad.SerializeToString())
+    for scale_byte in (255, 254):  # a NaN scale; a top code scaled to infinity
+        bad = pb.EncodedFragment()
+        bad.CopyFrom(good)
+        t = bad.tensors[0]
+        scales = bytearray(t.scales)
+        scales[CHUNK_VALUES // 32 + 1] = scale_byte
+        payload = bytearray(t.payload)
+        payload[CHUNK_VALUES // 2 + 40] = 0x77  # two codes of 6.0 in that block
+        t.scales, t.payload = bytes(scales), bytes(payload)
+
+        t.crc32 = zlib.crc32(t.scales, zlib.crc32(t.payload))
+        cases.append(bad.SerializeToString())
+    for value in (float("nan"), float("inf")):
+        frag = pb.EncodedFragment(tensors=[fp32_tensor_with(value), *_rest("fp32")])
+        cases.append(frag.SerializeToString())
+    return cases
+
+
+@pytest.mark.parametrize("index", range(len(malformed())))
+def test_refuses_what_decode_fragment_refuses_with_the_same_reason(index: int) -> None:
+    data = malformed()[index]
+    with pytest.raises(InvalidArgument) as decoded:
+        decode_fragment(data, SHAPES)
+    with pytest.raises(InvalidArgument) as ingested:
+        IngestSlot().parse(data, SHAPES)
+    assert str(ingested.value) == str(decoded.value)
+
+
+def test_slots_bound_concurrent_pushes() -> None:
+    slots = IngestSlots(2)
+    entered, release = threading.Semaphore(0), threading.Event()
+
+    def push() -> None:
+        with slots.take():
+            entered.release()
+            release.wait(10)
+
+    threads = [threading.Thread(target=push, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    assert entered.acquire(timeout=10) and entered.acquire(timeout=10)
+    assert not entered.acquire(timeout=0.2)  # the third waits for a slot
+    release.set()
+    assert entered.acquire(timeout=10)
+    for t in threads:
+        t.join(10)
+    with pytest.raises(ValueError, match="slot count"):
+        IngestSlots(0)
