@@ -15,12 +15,14 @@ import argparse
 import contextlib
 import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from bench.fuzz_cases import CaseReport, Tally, run_decoder_case, run_servicer_case
 from bench.fuzz_grpc import GrpcCaller
@@ -68,6 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.cases < 0 or (args.decoder_cases or 0) < 0:
         parser.error("--cases and --decoder-cases must be >= 0")
+    set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "diloco-hypothesis")  # not the repo
     logging.disable(logging.WARNING)  # every refusal logs a warning: millions of lines
     torch.set_num_threads(1)
     decoder_cases = args.cases if args.decoder_cases is None else args.decoder_cases

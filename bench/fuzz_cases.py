@@ -98,7 +98,7 @@ def run_servicer_case(draw: Callable, caller: Caller = direct_caller) -> CaseRep
             else draw(st.sampled_from([mutated_push, garbage_push, other_rpc]))
         )
         call = draw(family(world))
-        outcome = _checked_call(world, call, caller, exact=fresh, report=report)
+        outcome = check_call(world, call, caller, exact=fresh, report=report)
         if outcome is None:
             return report  # a crash or hang: the world is not to be trusted any more
         fresh = fresh and outcome.code is not None and not _norm_refusal(outcome)
@@ -116,7 +116,7 @@ def run_servicer_case(draw: Callable, caller: Caller = direct_caller) -> CaseRep
     return report
 
 
-def _checked_call(
+def check_call(
     world: World, call: Call, caller: Caller, exact: bool, report: CaseReport
 ) -> Outcome | None:
     before = state_digest(world.aggregator)

@@ -1,0 +1,113 @@
+"""Short, derandomized fuzz runs of the servicer (called directly) and the decoders, the
+harness's own ability to see a failure, and regressions for the bugs the fuzzer found.
+
+The long run is `python -m bench.fuzz --cases 10000` (bench/fuzz.py).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
+
+from bench.fuzz_cases import (
+    CaseReport,
+    check_call,
+    direct_caller,
+    run_decoder_case,
+    run_servicer_case,
+)
+from bench.fuzz_strategies import Call
+from bench.fuzz_world import (
+    MALLORY,
+    Scenario,
+    build_world,
+    call_direct,
+    pull_wait_capped,
+    push_messages,
+    small_delta,
+    state_digest,
+)
+from common.errors import InvalidArgument
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import encode_fragment
+
+# Hypothesis caches (constants, unicode tables) go to a temporary directory, not the repository.
+set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "diloco-hypothesis")
+CI = settings(
+    derandomize=True,  # the same examples on every run: CI never flakes on a new draw
+    database=None,  # nothing written into the repository
+    deadline=None,  # per-call time is bounded by the harness (CALL_TIMEOUT_S) instead
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@settings(CI, max_examples=120)
+@given(st.data())
+def test_servicer_survives_hostile_calls(data: st.DataObject) -> None:
+    with pull_wait_capped():
+        report = run_servicer_case(data.draw)
+    assert not report.violations, "\n".join(report.violations)
+
+
+@settings(CI, max_examples=200)
+@given(st.data())
+def test_decoders_refuse_hostile_bytes_cleanly(data: st.DataObject) -> None:
+    report = run_decoder_case(data.draw)
+    assert not report.violations, "\n".join(report.violations)
+
+
+# -- the harness can fail ------------------------------------------------------------------
+
+
+def test_digest_sees_a_single_bit_and_ignores_nothing_else() -> None:
+    world = build_world(Scenario(mode="quorum", fragments=2))
+    before = state_digest(world.aggregator)
+    assert state_digest(world.aggregator) == before
+    params = world.aggregator._fragments[1].params
+    params[0].view(-1).view(torch.int32)[3] ^= 1  # one bit of one parameter
+    assert state_digest(world.aggregator) != before
+
+
+def test_harness_reports_a_servicer_that_changes_state_before_refusing(monkeypatch) -> None:
+    """A bug of the kind hunted (touch the parameters, then refuse) must be caught."""
+    world = build_world(Scenario(mode="quorum"))
+    payload = encode_fragment(small_delta(world.shapes[0], seed=1), "fp32")
+    call = Call("PushFragment", push_messages(world.sessions[MALLORY], 0, 4, payload), None, "t")
+
+    def corrupting_push(self, session_id, fragment_id, *args, **kwargs):
+        self._fragments[fragment_id].params[0].view(-1)[0] += 1.0
+        raise InvalidArgument("refused after touching the state")
+
+    monkeypatch.setattr("server.aggregator.Aggregator.push", corrupting_push)
+    report = CaseReport()
+    check_call(world, call, direct_caller, exact=True, report=report)
+    assert [v.split(":")[0] for v in report.violations] == ["wrong_status", "state_change"]
+    assert "params" in report.violations[1]
+
+
+def test_harness_reports_a_crash_and_a_hang(monkeypatch) -> None:
+    world = build_world(Scenario())
+    request = pb.HeartbeatRequest(session_id=world.sessions[MALLORY])
+
+    def boom(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(world.aggregator, "heartbeat", boom)
+    outcome = call_direct(world.servicer, "Heartbeat", request, timeout_s=5)
+    assert "ZeroDivisionError" in outcome.crash and outcome.code is None
+
+    monkeypatch.setattr(world.aggregator, "heartbeat", lambda *args, **kwargs: time.sleep(2))
+    outcome = call_direct(world.servicer, "Heartbeat", request, timeout_s=0.2)
+    assert outcome.hang
+
+
+def test_small_delta_is_reproducible() -> None:
+    shapes = [(3, 4), (5,)]
+    a, b = small_delta(shapes, seed=3), small_delta(shapes, seed=3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
