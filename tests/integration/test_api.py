@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from torch import nn
 
 from learner.api import DilocoSync
+from tests.integration.conftest import REPO
 
 H = 4
 OUTER_STEPS = 5
@@ -85,3 +88,15 @@ def test_unknown_settings_and_misuse_fail_in_one_sentence():
     with pytest.raises(RuntimeError, match="before open"):
         sync.step()
     sync.close()
+
+
+def test_the_gpt2_example_without_transformers_says_how_to_install_it():
+    hide = "import sys, runpy; sys.modules['transformers'] = None; "
+    run = "runpy.run_module('learner.examples.hf_gpt2', run_name='__main__')"
+    result = subprocess.run(
+        [sys.executable, "-c", hide + run], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "hf_gpt2: needs Hugging Face transformers: pip install 'decoupled-diloco[hf]'"
+    ]
