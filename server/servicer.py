@@ -137,7 +137,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         agg, fid = self.aggregator, request.fragment_id
         self.traffic.count(self._traffic_key(fid), received=request.ByteSize())
         self._check_caller(session_id=request.session_id)
-        agg.heartbeat(request.session_id)  # authenticates the session and renews its lease
+        # Authenticates the session and renews its lease; heartbeat() would also overwrite the
+        # learner's reported progress (step, tokens, loss) with defaults.
+        agg.session_learner(request.session_id)
         if request.wait_for_version > agg.version(fid):
             asked = request.wait_timeout_s
             wait_s = min(max(asked, 0.0), MAX_PULL_WAIT_S) if math.isfinite(asked) else 0.0

@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -111,3 +112,20 @@ def test_small_delta_is_reproducible() -> None:
     shapes = [(3, 4), (5,)]
     a, b = small_delta(shapes, seed=3), small_delta(shapes, seed=3)
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# -- regressions: bugs the fuzzer found ------------------------------------------------------
+
+
+def test_pull_leaves_the_learners_reported_progress_alone() -> None:
+    """PullParams renewed the lease through heartbeat(), which also overwrote the progress the
+    learner had reported (step, tokens, loss) with zeros and NaN, even for a refused pull."""
+    world = build_world(Scenario())
+    session = world.sessions[MALLORY]
+    heartbeat = pb.HeartbeatRequest(session_id=session, step=42, tokens=4200, loss=1.5)
+    assert call_direct(world.servicer, "Heartbeat", heartbeat).code is None
+    before = state_digest(world.aggregator)
+    for fragment_id, code in ((99, grpc.StatusCode.NOT_FOUND), (0, None)):
+        request = pb.PullParamsRequest(session_id=session, fragment_id=fragment_id, have_version=-1)
+        assert call_direct(world.servicer, "PullParams", request).code == code
+        assert state_digest(world.aggregator) == before
