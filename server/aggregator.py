@@ -232,6 +232,12 @@ class Aggregator:
                 )
             if tokens < 0 or inner_steps < 0:
                 raise InvalidArgument("tokens and inner_steps must be >= 0")
+            try:
+                weight = contribution_weight(self.config.weighting, tokens, inner_steps)
+            except ValueError as err:
+                raise InvalidArgument(str(err)) from err
+            discount = staleness_discount(fragment.version - base_version)
+            _check_round_sum_fits(fragment.round, weight * discount, body.max_abs)
             norm = body.norm
             guard = self._norm_guards[fragment_id]
             try:
@@ -243,11 +249,6 @@ class Aggregator:
                 fragment.last_push_base[session.learner_id] = base_version
                 self._maybe_close(fragment)
                 raise FailedPrecondition(f"push refused: {err}") from err
-            try:
-                weight = contribution_weight(self.config.weighting, tokens, inner_steps)
-            except ValueError as err:
-                raise InvalidArgument(str(err)) from err
-            discount = staleness_discount(fragment.version - base_version)
             fragment.add(session.learner_id, body, tokens, weight, discount)
             fragment.last_push_base[session.learner_id] = base_version
             self._last_weight[session.learner_id] = weight
@@ -522,6 +523,21 @@ class Aggregator:
 # No real pseudo-gradient comes near this; it keeps sums, momentum and the 4-bit encoding of
 # the outer update finite whatever a learner sends.
 MAX_DELTA_ABS = 1e12
+
+
+# The round's float32 sum stays below this (float32 tops out at 3.4e38). A learner's claimed
+# tokens and inner steps set its weight, and tokens²/steps reaches 8.5e37: weight times values
+# could otherwise overflow to infinity, which the outer step cannot encode, and every later
+# round of the fragment would fail with it.
+MAX_ROUND_SUM_ABS = 1e37
+
+
+def _check_round_sum_fits(rnd: Round, scale: float, max_abs: float) -> None:
+    if not rnd.abs_bound + scale * max_abs <= MAX_ROUND_SUM_ABS:
+        raise InvalidArgument(
+            f"contribution weight {scale:.3g} (from tokens and inner_steps) times values up to "
+            f"{max_abs:.3g} would overflow the round's sum; send the real tokens and inner_steps"
+        )
 
 
 def _check_shapes(fragment: FragmentState, shapes: Sequence[tuple[int, ...]]) -> None:

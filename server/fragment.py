@@ -38,6 +38,9 @@ class Round:
     tokens: int = 0
     quorum_since: float | None = None  # clock time the round first had enough contributors
     opened_at: float | None = None  # clock time of the round's first push
+    # Σ weight·discount·max|Δ|: a bound on max|delta_sum|, so a push that could overflow the
+    # float32 sum is refused before it is added (Aggregator.push).
+    abs_bound: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class FragmentState:
         per-learner float32 copy of the fragment is ever made."""
         rnd, scale = self.round, weight * discount
         rnd.delta_sum = body.add_to(rnd.delta_sum, scale)
+        rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
         rnd.pushes += 1

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -33,6 +34,7 @@ from bench.fuzz_world import (
     push_messages,
     small_delta,
     state_digest,
+    state_is_finite,
 )
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -129,3 +131,23 @@ def test_pull_leaves_the_learners_reported_progress_alone() -> None:
         request = pb.PullParamsRequest(session_id=session, fragment_id=fragment_id, have_version=-1)
         assert call_direct(world.servicer, "PullParams", request).code == code
         assert state_digest(world.aggregator) == before
+
+
+@pytest.mark.parametrize("mode", ["quorum", "async"])
+def test_push_whose_claimed_weight_would_overflow_the_round_is_refused(mode: str) -> None:
+    """tokens²/inner_steps can reach 8.5e37: times a pseudo-gradient of 1e10 the float32 round
+    sum became infinite, the outer step crashed (UNKNOWN), and every later round of the
+    fragment with it (momentum already infinite)."""
+    world = build_world(Scenario(mode=mode, warm=False))
+    large = [t * 1e10 for t in small_delta(world.shapes[0], seed=1)]
+    payload = encode_fragment(large, "fp32")
+    messages = push_messages(world.sessions[MALLORY], 0, 0, payload, tokens=2**63 - 1)
+    before = state_digest(world.aggregator)
+    outcome = call_direct(world.servicer, "PushFragment", messages, timeout_s=10)
+    assert not outcome.crash and outcome.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "overflow" in outcome.details
+    assert state_digest(world.aggregator) == before
+    # The same values with a plausible weight are fine, and so is the state afterwards.
+    messages = push_messages(world.sessions[MALLORY], 0, 0, payload, tokens=10**6, inner_steps=100)
+    assert call_direct(world.servicer, "PushFragment", messages, timeout_s=10).code is None
+    assert state_is_finite(world.aggregator)
