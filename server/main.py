@@ -15,7 +15,7 @@ import threading
 from common.config import add_config_flags, config_from_args
 from common.metrics_http import serve_metrics
 from server.app import AggregatorService, ServerConfig
-from server.memory import limit_malloc_arenas
+from server.runtime import limit_malloc_arenas, single_threaded_torch
 
 
 def main() -> None:
@@ -23,7 +23,8 @@ def main() -> None:
     add_config_flags(parser, ServerConfig)
     config = config_from_args(parser, ServerConfig, parser.parse_args())
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(message)s")
-    limit_malloc_arenas()  # before the server's threads start allocating (server/memory.py)
+    limit_malloc_arenas()  # before the server's threads start allocating (server/runtime.py)
+    single_threaded_torch()
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
