@@ -43,7 +43,9 @@ class LearnerConfig(GPTConfig):
     duration_s: float = 0.0
     """Stop at the first outer step after this many seconds (0: no limit)."""
     corpus: str = "stdlib"
-    """`stdlib` (this Python's library sources), a folder of text files, or a .bin token file."""
+    """`stdlib` (this Python's library sources), a folder of text files (.py, .txt, .md), or a
+    nanoGPT-style uint16 token file (.bin; a val.bin beside a train.bin is its validation
+    split; set vocab_size to the tokenizer's)."""
     corpus_max_bytes: int = 4 << 20
     """Read at most this many bytes of text per split."""
     data_shards: int = 0
