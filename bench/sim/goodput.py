@@ -279,6 +279,9 @@ class QuorumRun:
         if inc != learner.incarnation:
             return
         learner.step, learner.step_at_s = step, self.clock()
+        # learner.streaming.StreamingSync is not driven itself: it needs the full model's
+        # tensors, a blocking Transport and wall-clock timing (time.perf_counter). Its
+        # non-blocking rule is mirrored here: skip a fragment whose last sync is still out.
         for p in self._pushes_at(step):
             if p in learner.in_flight:
                 continue  # the last sync of p is still out: the next push carries both
