@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick \
-	compose-smoke wan-sim bench-decoupled bench-load
+	compose-smoke wan-sim bench-decoupled bench-load bench bench-quick sim
 
 install: $(STAMP)
 
@@ -48,6 +48,17 @@ bench-decoupled: $(BENCH_STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python bench/load.py
+
+# The performance suite (bench/perf.py): ratios against their ceilings, bench/results/perf.json.
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m bench.perf
+
+bench-quick: $(BENCH_STAMP)
+	$(BIN)/python -m bench.perf --quick
+
+# The planning simulator (bench/sim): Streaming DiLoCo Table 4 and goodput vs failure rate.
+sim: $(BENCH_STAMP)
+	$(BIN)/python -m bench.sim.cli all
 
 # Needs a Docker engine and docker-compose (see deploy/compose_smoke.py); not run in CI.
 compose-smoke: $(STAMP)
