@@ -15,8 +15,13 @@ def test_a_killed_learner_resumes_its_steps_and_data_position(
     start_service, start_learner, tmp_path
 ):
     service = start_service(lease_s=2.0)
+    corpus = tmp_path / "corpus"  # a folder of text files, the user-data input
+    corpus.mkdir()
+    for i in range(60):
+        (corpus / f"doc{i}.txt").write_text(" ".join(f"word{(i * j) % 97}" for j in range(400)))
     ckpt = tmp_path / "ckpt"
-    flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", "3"]
+    flags = ["--corpus", str(corpus), "--checkpoint-dir", str(ckpt)]
+    flags += ["--checkpoint-every-steps", "3"]
     flags += ["--checkpoint-every-s", "0"]
     first = start_learner(service.port, "first", "--learner-id", "r", *flags)
     saved = None
