@@ -18,7 +18,14 @@ TOKENS_PER_RANK_STEP = 4 * 32  # batch size x block size in TINY_LEARNER_FLAGS
 def test_a_two_rank_island_acts_as_one_learner(start_service, start_learner, tmp_path):
     # sync mode and K = 2: every round needs both the island and the single learner.
     service = start_service(lease_s=10.0, min_contributors=2)
-    outputs = {name: ["--summary-file", str(tmp_path / f"{name}.json")] for name in ("i", "s")}
+    corpus = tmp_path / "corpus"  # small: three processes load it at once on a shared CPU
+    corpus.mkdir()
+    for i in range(60):
+        (corpus / f"doc{i}.txt").write_text(" ".join(f"word{(i * j) % 97}" for j in range(400)))
+    outputs = {
+        name: ["--corpus", str(corpus), "--summary-file", str(tmp_path / f"{name}.json")]
+        for name in ("i", "s")
+    }
     outputs["i"] += ["--save-params", str(tmp_path / "island.pt")]
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}  # loopback only
     with open(tmp_path / "island.log", "w") as log:
