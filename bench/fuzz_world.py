@@ -65,6 +65,8 @@ class Scenario:
     pull_codec: str = "fp4_e2m1"
     warm: bool = True
     """Run WARMUP_ROUNDS before fuzzing (else: version 0, no momentum, a cold norm guard)."""
+    initialized: bool = True
+    """Push every fragment's initial parameters (else: the learners joined, nothing more)."""
 
 
 @dataclass
@@ -151,7 +153,8 @@ def push_messages(
 
 
 def build_world(scenario: Scenario) -> World:
-    """Two learners joined, every fragment initialized and WARMUP_ROUNDS rounds applied."""
+    """Two learners joined, every fragment initialized and WARMUP_ROUNDS rounds applied
+    (fewer steps as the scenario says)."""
     config = AggregatorConfig(
         mode=scenario.mode,
         fragments=scenario.fragments,
@@ -171,6 +174,8 @@ def build_world(scenario: Scenario) -> World:
     spec_shapes = [s for _, s in SPECS]
     shapes = [[spec_shapes[i] for i in indices] for _, indices, _ in aggregator.layout()]
     world = World(scenario, aggregator, servicer, sessions, shapes)
+    if not scenario.initialized:
+        return world
     for fid, fshapes in enumerate(shapes):
         initial = encode_fragment([torch.ones(s) for s in fshapes], "fp32")
         msgs = push_messages(sessions[GOOD], fid, -1, initial, kind=pb.PUSH_KIND_INITIAL)
