@@ -297,6 +297,7 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
                         "tokens": rnd.tokens,
                         "quorum_since": rnd.quorum_since,
                         "opened_at": rnd.opened_at,
+                        "abs_bound": rnd.abs_bound,
                     }
                 ),
                 "contributors": tuple(sorted(rnd.contributors)),
