@@ -123,6 +123,15 @@ class Island:
         dist.all_gather_object(out, obj)
         return out
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Leave the process group. `finished`: every rank ended its run normally."""
         if self.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+            # After a normal end, every rank waits here before any tears its connections
+            # down: a gloo peer that loses its connection mid-shutdown aborts ("terminate
+            # called without an active exception", seen in CI), failing the island. After an
+            # error the other ranks may be inside a collective: no barrier, torchrun ends them.
+            try:
+                if finished:
+                    dist.barrier()
+            finally:
+                dist.destroy_process_group()

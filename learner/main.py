@@ -45,8 +45,10 @@ def main() -> None:
             logging.getLogger("diloco.learner").info("metrics on port %d at /metrics", port)
     except (ValueError, OSError) as err:  # e.g. a missing corpus, a metrics port in use
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+    finished = False
     try:
         progress = learner.run(stop)
+        finished = True
     except grpc.FutureTimeoutError:
         sys.exit(
             f"diloco-learner: error: cannot reach the server at {config.server} (is it up, "
@@ -55,7 +57,7 @@ def main() -> None:
     except grpc.RpcError as err:
         sys.exit(f"diloco-learner: error: the server answered {err.code().name}: {err.details()}")
     finally:
-        learner.island.close()
+        learner.island.close(finished)
     if not learner.island.is_leader:
         return
     if config.save_params:
