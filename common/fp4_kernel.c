@@ -144,3 +144,178 @@ int64_t fp4_dequantize(const uint8_t *packed, const uint8_t *scales, int64_t n,
     }
     return infinite;
 }
+
+/* ---- Server ingest: statistics and accumulation straight from the wire encoding ----------
+ *
+ * server/ingest.py validates a push (finite values, norm, largest magnitude) before it takes
+ * the aggregator's lock, then adds weight * value to the round's float32 sum under the lock.
+ * Both run here in one pass over the packed codes each, with no float32 copy of the push.
+ */
+
+/* 2^(byte - 127) for an E8M0 byte other than 255, built from its bits (ldexpf is a libm call
+ * per block): exponent field `byte`, or for byte 0 the subnormal 2^-127. */
+static float e8m0_scale(uint8_t scale_byte)
+{
+    const uint32_t bits = scale_byte ? (uint32_t)scale_byte << 23 : 1u << 22;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return scale;
+}
+
+/* The decoded values of a block's 16 codes (sign bit 3) at scale 2^(byte - 127), exactly as
+ * fp4_dequantize computes them: grid[c] * scale in float32. */
+static void block_lut(const float *grid, uint8_t scale_byte, float lut[16])
+{
+    const float scale = e8m0_scale(scale_byte);
+    for (int c = 0; c < 8; c++) {
+        lut[c] = grid[c] * scale;
+        lut[c + 8] = -grid[c] * scale;
+    }
+}
+
+static int has_nan_scale(const uint8_t *scales, int64_t n_blocks)
+{
+    int nan = 0;
+    for (int64_t b = 0; b < n_blocks; b++)
+        nan |= scales[b] == E8M0_NAN;
+    return nan;
+}
+
+/* Sum of squares (float64) and largest magnitude of n packed values, without decoding them
+ * to memory. Returns like fp4_dequantize: -1 for a NaN scale byte anywhere (checked first,
+ * nothing else reported), else the number of values that decode to infinity (then the
+ * outputs are meaningless).
+ *
+ * A decoded value is grid[c] * 2^e, exact in float32 (the grids have at most two significant
+ * bits; infinities are refused), so its square grid[c]^2 * 2^(2e) is exact in float64: each
+ * block's sum of squares is exact (per-byte table of grid[lo]^2 + grid[hi]^2, times 2^(2e)),
+ * and only the order of the sum over blocks differs from a float64 dot product. */
+int64_t fp4_stats(const uint8_t *packed, const uint8_t *scales, int64_t n, const float *grid,
+                  double *squares, float *max_abs)
+{
+    const int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    *squares = 0.0;
+    *max_abs = 0.0f;
+    if (has_nan_scale(scales, n_blocks))
+        return -1;
+    double byte_squares[256];
+    uint8_t byte_top[256];
+    for (int v = 0; v < 256; v++) {
+        const int lo = v & 7, hi = (v >> 4) & 7;
+        byte_squares[v] = (double)grid[lo] * grid[lo] + (double)grid[hi] * grid[hi];
+        byte_top[v] = (uint8_t)(lo > hi ? lo : hi); /* grids ascend: top code, top value */
+    }
+    double total = 0.0;
+    float largest = 0.0f;
+    int64_t infinite = 0;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *bytes = packed + b * (BLOCK / 2);
+        const int64_t count = n - b * BLOCK < BLOCK ? n - b * BLOCK : BLOCK;
+        double block_squares = 0.0;
+        int top = 0;
+        if (count == BLOCK) {
+            for (int j = 0; j < BLOCK / 2; j++) {
+                block_squares += byte_squares[bytes[j]];
+                top = byte_top[bytes[j]] > top ? byte_top[bytes[j]] : top;
+            }
+        } else { /* the last block: codes past n (a padding nibble) do not count */
+            for (int64_t i = 0; i < count; i++) {
+                const int c = (bytes[i / 2] >> (4 * (i % 2))) & 7;
+                block_squares += (double)grid[c] * grid[c];
+                top = c > top ? c : top;
+            }
+        }
+        const float block_max = grid[top] * e8m0_scale(scales[b]);
+        if (isinf(block_max)) {
+            float lut[16];
+            block_lut(grid, scales[b], lut);
+            for (int64_t i = 0; i < count; i++)
+                infinite += isinf(lut[(bytes[i / 2] >> (4 * (i % 2))) & 0x0F]);
+            continue;
+        }
+        /* scale^2 = 2^(2e), |2e| <= 254: a normal float64, built from its bits */
+        const uint64_t square_bits = (uint64_t)(2 * ((int)scales[b] - E8M0_BIAS) + 1023) << 52;
+        double scale_squared;
+        memcpy(&scale_squared, &square_bits, sizeof scale_squared);
+        total += block_squares * scale_squared;
+        largest = block_max > largest ? block_max : largest;
+    }
+    *squares = total;
+    *max_abs = largest;
+    return infinite;
+}
+
+#define ACC_SET 0      /* sum = value * weight            (torch: copy_ then mul_)         */
+#define ACC_ADD_FMA 1  /* sum = fma(weight, value, sum)   (torch: add_(alpha=) with FMA)   */
+#define ACC_ADD_MUL 2  /* sum = sum + weight * value      (torch: add_(alpha=) without FMA) */
+
+/* The per-block loops, written for the vectoriser; inlined into one wrapper per ISA below. */
+static inline __attribute__((always_inline)) int64_t accumulate_blocks(
+    const uint8_t *packed, const uint8_t *scales, int64_t n, const float *grid, float weight,
+    int mode, float *sum)
+{
+    const int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    if (has_nan_scale(scales, n_blocks))
+        return -1;
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *bytes = packed + b * (BLOCK / 2);
+        const int64_t count = n - b * BLOCK < BLOCK ? n - b * BLOCK : BLOCK;
+        float *dst = sum + b * BLOCK;
+        float lut[16], v[BLOCK];
+        block_lut(grid, scales[b], lut);
+        if (mode == ACC_ADD_MUL || mode == ACC_SET)
+            for (int c = 0; c < 16; c++)
+                lut[c] = mode == ACC_SET ? lut[c] * weight : weight * lut[c];
+        for (int j = 0; j < BLOCK / 2; j++) {
+            v[2 * j] = lut[bytes[j] & 0x0F];
+            v[2 * j + 1] = lut[bytes[j] >> 4];
+        }
+        if (count < BLOCK) {
+            for (int64_t i = 0; i < count; i++)
+                dst[i] = mode == ACC_SET       ? v[i]
+                         : mode == ACC_ADD_FMA ? fmaf(weight, v[i], dst[i])
+                                               : dst[i] + v[i];
+        } else if (mode == ACC_SET) {
+            for (int i = 0; i < BLOCK; i++)
+                dst[i] = v[i];
+        } else if (mode == ACC_ADD_FMA) {
+            for (int i = 0; i < BLOCK; i++)
+                dst[i] = fmaf(weight, v[i], dst[i]);
+        } else {
+            for (int i = 0; i < BLOCK; i++)
+                dst[i] = dst[i] + v[i];
+        }
+    }
+    return 0;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* With hardware FMA, fmaf is one instruction and the block loops vectorise; elsewhere fmaf is
+ * libm's correctly rounded call: the same bits, slower. */
+__attribute__((target("avx2,fma"))) static int64_t accumulate_fma(
+    const uint8_t *packed, const uint8_t *scales, int64_t n, const float *grid, float weight,
+    int mode, float *sum)
+{
+    return accumulate_blocks(packed, scales, n, grid, weight, mode, sum);
+}
+#endif
+
+static int64_t accumulate_portable(const uint8_t *packed, const uint8_t *scales, int64_t n,
+                                   const float *grid, float weight, int mode, float *sum)
+{
+    return accumulate_blocks(packed, scales, n, grid, weight, mode, sum);
+}
+
+/* sum[i] (op) weight * value[i] for n packed values, as `mode` says (ACC_*): element by
+ * element the float32 operations of the torch path, so the result is bit-identical. In
+ * ACC_ADD_MUL the product weight * value is rounded to float32 before the add (per block
+ * table); in ACC_SET, value * weight. Returns -1 (nothing written) for a NaN scale byte. */
+int64_t fp4_accumulate(const uint8_t *packed, const uint8_t *scales, int64_t n,
+                       const float *grid, float weight, int mode, float *sum)
+{
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return accumulate_fma(packed, scales, n, grid, weight, mode, sum);
+#endif
+    return accumulate_portable(packed, scales, n, grid, weight, mode, sum);
+}

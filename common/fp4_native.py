@@ -32,6 +32,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
+# fp4_accumulate's modes: how sum and weight * value combine (see fp4_kernel.c).
+ACC_SET, ACC_ADD_FMA, ACC_ADD_MUL = 0, 1, 2
+
 SOURCE = Path(__file__).with_name("fp4_kernel.c")
 # No -ffast-math and no FMA contraction: every multiply must round exactly as torch's does.
 CFLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off"]
@@ -50,7 +53,15 @@ class Kernel:
         lib.fp4_quantize.restype = None
         lib.fp4_dequantize.argtypes = [ptr, ptr, i64, ptr, ptr]
         lib.fp4_dequantize.restype = i64
+        # Wire bytes go in as `bytes` (c_char_p): read in place, no copy.
+        text, f32 = ctypes.c_char_p, ctypes.c_float
+        lib.fp4_stats.argtypes = [text, text, i64, ptr, ctypes.POINTER(f64), ctypes.POINTER(f32)]
+        lib.fp4_stats.restype = i64
+        lib.fp4_accumulate.argtypes = [text, text, i64, ptr, f32, cint, ptr]
+        lib.fp4_accumulate.restype = i64
         self._lib = lib
+        self._add_mode: int | None = None
+        self._add_mode_probed = False
 
     def quantize(
         self, flat: torch.Tensor, grid: torch.Tensor, mids: torch.Tensor, top_shift: int
@@ -80,6 +91,91 @@ class Kernel:
             packed.data_ptr(), scales.data_ptr(), numel, grid.data_ptr(), out.data_ptr()
         )
         return out, int(status)
+
+    def stats(
+        self, payload: bytes, scales: bytes, numel: int, grid: torch.Tensor
+    ) -> tuple[int, float, float]:
+        """(status, sum of squares in float64, largest magnitude) of packed values, read in
+        place; status as in `dequantize` (-1 NaN scale, else the count of infinities)."""
+        _check_lengths(payload, scales, numel)
+        squares, max_abs = ctypes.c_double(), ctypes.c_float()
+        status = self._lib.fp4_stats(
+            payload, scales, numel, grid.data_ptr(), ctypes.byref(squares), ctypes.byref(max_abs)
+        )
+        return int(status), squares.value, max_abs.value
+
+    def accumulate(
+        self,
+        payload: bytes,
+        scales: bytes,
+        numel: int,
+        grid: torch.Tensor,
+        weight: float,
+        mode: int,
+        out: torch.Tensor,
+    ) -> int:
+        """out (op)= weight * decoded values, in place (`mode` one of ACC_*); -1 (out
+        untouched) for a NaN scale byte, else 0. `out` is a contiguous float32 CPU tensor."""
+        _check_lengths(payload, scales, numel)
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != numel:
+            raise ValueError(f"accumulate needs a contiguous float32 tensor of {numel} values")
+        if mode not in (ACC_SET, ACC_ADD_FMA, ACC_ADD_MUL):
+            raise ValueError(f"unknown accumulate mode {mode}")
+        return int(
+            self._lib.fp4_accumulate(
+                payload, scales, numel, grid.data_ptr(), weight, mode, out.data_ptr()
+            )
+        )
+
+    def torch_add_mode(self) -> int | None:
+        """The mode (ACC_ADD_FMA or ACC_ADD_MUL) whose bits equal torch's
+        `sum.add_(values, alpha=weight)` in this process, or None when neither does.
+
+        Torch's CPU add with alpha is one fused multiply-add where its kernels are built for
+        AVX2/AVX512 and a multiply then an add in its baseline kernels
+        (ATEN_CPU_CAPABILITY=default), so it is measured here once, not assumed."""
+        if not self._add_mode_probed:
+            self._add_mode = self._probe_add_mode()
+            self._add_mode_probed = True
+            if self._add_mode is None:
+                log.warning("FP4 ingest: no kernel mode matches torch's add_; using torch")
+        return self._add_mode
+
+    def _probe_add_mode(self) -> int | None:
+        gen = torch.Generator().manual_seed(7)
+        numel = 4099  # vector bodies and a scalar tail in torch and here
+        grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+        payload = torch.randint(0, 256, ((numel + 1) // 2,), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(110, 140, ((numel + 31) // 32,), generator=gen, dtype=torch.uint8)
+        payload_bytes, scale_bytes = payload.numpy().tobytes(), scales.numpy().tobytes()
+        values, status = self.dequantize(payload, scales, numel, grid)
+        if status:
+            return None
+        modes = {ACC_ADD_FMA, ACC_ADD_MUL}
+        for weight in (0.3701, 1.0, 1 / 3, 2.5e-7, 7.77e5):
+            start = torch.randn(numel, generator=gen) * 2.0 ** torch.randint(-8, 8, (1,)).item()
+            expected = start.clone().add_(values, alpha=weight).view(torch.int32)
+            for mode in list(modes):
+                got = start.clone()
+                self.accumulate(payload_bytes, scale_bytes, numel, grid, weight, mode, got)
+                if not torch.equal(got.view(torch.int32), expected):
+                    modes.discard(mode)
+            scaled = torch.empty(numel)
+            self.accumulate(payload_bytes, scale_bytes, numel, grid, weight, ACC_SET, scaled)
+            if not torch.equal(
+                scaled.view(torch.int32), values.clone().mul_(weight).view(torch.int32)
+            ):
+                return None
+        return modes.pop() if len(modes) == 1 else None
+
+
+def _check_lengths(payload: bytes, scales: bytes, numel: int) -> None:
+    """The C kernel trusts these lengths: a short buffer would be read past its end."""
+    if len(payload) < (numel + 1) // 2 or len(scales) < (numel + 31) // 32:
+        raise ValueError(
+            f"{numel} fp4 values need {(numel + 1) // 2} payload and {(numel + 31) // 32} "
+            f"scale bytes, got {len(payload)} and {len(scales)}"
+        )
 
 
 def choice() -> str:

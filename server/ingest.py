@@ -9,10 +9,25 @@ Why: decoding a whole push to float32 and then adding it to the round's sum kept
 float32 copy per learner alive (plus about ten temporaries of the same size in the decoder),
 and those copies waited on the aggregator lock, so the server's memory grew with the number
 of learners (bench/load.py: 1.6 GB for a 4 MiB model at 64 learners). Here a push stays in its
-wire encoding (4 bits per value for fp4) and is decoded `CHUNK_VALUES` at a time, twice: once
-before the lock, to check every value and compute the norm the NormGuard needs, and once under
-the lock, straight into the round's sum. A chunk of float32 stays in the CPU cache between the
-decode and the add, so the second decode costs less than the memory traffic of a full copy.
+wire encoding (4 bits per value for fp4) and is read twice: once before the lock, to check
+every value and compute the norm the NormGuard needs, and once under the lock, straight into
+the round's sum.
+
+fp4 pushes take the C kernel (common/fp4_kernel.c: fp4_stats, fp4_accumulate), one pass over
+the packed codes each, reading the wire bytes in place, with the GIL released so that pushes
+in other slots proceed in parallel. Profiled before (bench/ingest.py --quick, py-spy), the
+torch chunk path spent ~27 ms per 4 M-value push on the checks and ~17 ms under the lock on
+the add, so the lock capped ingest near 2 MiB / 17 ms; the kernel takes ~0.8 ms and ~1.5 ms.
+The add is bit-identical to torch's `add_(values, alpha=w)`, whose rounding differs by CPU
+(one FMA in its AVX2/AVX512 kernels, a multiply then an add in its baseline ones): the
+kernel's mode is chosen by measuring torch in this process (Kernel.torch_add_mode), and where
+neither mode matches, or there is no kernel (DILOCO_FP4_KERNEL=torch), the torch path below
+runs. The kernel's norm sums exact per-block sums of squares, so it can differ from the torch
+path's float64 dot product in the last bits (the order of the sum); max |value| is exact.
+
+Other codecs (and the torch path) decode `CHUNK_VALUES` at a time: a chunk of float32 stays
+in the CPU cache between the decode and the add, so the second decode costs less than the
+memory traffic of a full copy.
 
 Every check of `common.wire.decode_fragment` and `common.codec.decode` is made here too, in the
 same order and with the same messages (tests/unit/test_ingest.py holds the two to each other),
@@ -33,7 +48,8 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from common.codec import CODEC_NAMES, FP4_BLOCK, dequantize_fp4, encoded_sizes
+from common import fp4_native
+from common.codec import CODEC_NAMES, FP4_BLOCK, FP4_GRIDS, dequantize_fp4, encoded_sizes
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
@@ -41,6 +57,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 # to the add, large enough that the per-chunk Python overhead (~30 µs) stays a few percent.
 CHUNK_VALUES = 1 << 17
 _NOT_FINITE = "tensor holds NaN or infinite values"
+_NAN_SCALE = "FP4 block scale is NaN (E8M0 byte 255)"  # codec.dequantize_fp4's words
 
 
 @dataclass(frozen=True)
@@ -97,9 +114,14 @@ class PushBody:
     """
 
     def __init__(
-        self, tensors: list[_Tensor], scratch: _Scratch, squares: float, max_abs: float
+        self,
+        tensors: list[_Tensor],
+        scratch: _Scratch,
+        squares: float,
+        max_abs: float,
+        kernel: fp4_native.Kernel | None = None,
     ) -> None:
-        self._tensors, self._scratch = tensors, scratch
+        self._tensors, self._scratch, self._kernel = tensors, scratch, kernel
         self.shapes = [t.shape for t in tensors]
         self.norm = math.sqrt(squares)  # float64 sum of squares, as the NormGuard wants
         self.max_abs = max_abs
@@ -111,7 +133,10 @@ class PushBody:
         if first:
             sums = [torch.empty(t.shape, dtype=torch.float32) for t in self._tensors]
         flats = {id(t): s.view(-1) for t, s in zip(self._tensors, sums, strict=True)}
+        done = self._add_fp4_natively(flats, scale, first)
         for t, start, stop in self._chunks():
+            if id(t) in done:
+                continue
             values = self._scratch.chunk(t, start, stop)
             target = flats[id(t)][start:stop]
             if first:
@@ -121,6 +146,26 @@ class PushBody:
             else:
                 target.add_(values, alpha=scale)
         return sums
+
+    def _add_fp4_natively(
+        self, flats: dict[int, torch.Tensor], scale: float, first: bool
+    ) -> set[int]:
+        """Add the fp4 tensors with the kernel where it matches torch bit for bit; returns
+        the ids of the tensors it added (the others take the torch path)."""
+        add_mode = self._kernel.torch_add_mode() if self._kernel is not None else None
+        if add_mode is None:
+            return set()
+        mode, done = (fp4_native.ACC_SET if first else add_mode), set()
+        for t in self._tensors:
+            if t.codec in FP4_GRIDS and t.numel:
+                grid = FP4_GRIDS[t.codec]
+                status = self._kernel.accumulate(
+                    t.payload, t.scales, t.numel, grid, scale, mode, flats[id(t)]
+                )
+                if status != 0:  # parse() checked these very bytes: a bug, not bad input
+                    raise RuntimeError(f"fp4 accumulate failed on checked bytes ({status})")
+                done.add(id(t))
+        return done
 
     def _chunks(self) -> Iterator[tuple[_Tensor, int, int]]:
         for t in self._tensors:
@@ -133,9 +178,19 @@ def _spans(numel: int) -> Iterator[tuple[int, int]]:
         yield start, min(start + CHUNK_VALUES, numel)
 
 
-def _value_stats(t: _Tensor, scratch: _Scratch) -> tuple[float, float]:
-    """(sum of squares in float64, largest magnitude) of a tensor's values, a chunk at a
-    time; raises InvalidArgument for a value that is not finite."""
+def _value_stats(
+    t: _Tensor, scratch: _Scratch, kernel: fp4_native.Kernel | None
+) -> tuple[float, float]:
+    """(sum of squares in float64, largest magnitude) of a tensor's values, in one kernel
+    pass for fp4 or else a chunk at a time; raises InvalidArgument for a NaN scale or a value
+    that is not finite (in codec.decode's order: every scale first)."""
+    if kernel is not None and t.codec in FP4_GRIDS:
+        status, squares, max_abs = kernel.stats(t.payload, t.scales, t.numel, FP4_GRIDS[t.codec])
+        if status < 0:
+            raise InvalidArgument(_NAN_SCALE)
+        if status > 0:
+            raise InvalidArgument(_NOT_FINITE)
+        return squares, max_abs
     squares, max_abs = 0.0, 0.0
     for start, stop in _spans(t.numel):
         values = scratch.chunk(t, start, stop)
@@ -188,13 +243,14 @@ class IngestSlot:
             )
         if len({t.codec for t in msg.tensors}) > 1:
             raise InvalidArgument("all tensors of a fragment must use one codec")
+        kernel = fp4_native.load()
         tensors, squares, max_abs = [], 0.0, 0.0
         for t, shape in zip(msg.tensors, shapes, strict=True):
             tensors.append(_check_tensor(t, shape))
             # Its values before the next tensor's header, in codec.decode's order.
-            tensor_squares, tensor_max = _value_stats(tensors[-1], self._scratch)
+            tensor_squares, tensor_max = _value_stats(tensors[-1], self._scratch, kernel)
             squares, max_abs = squares + tensor_squares, max(max_abs, tensor_max)
-        return PushBody(tensors, self._scratch, squares, max_abs)
+        return PushBody(tensors, self._scratch, squares, max_abs, kernel)
 
 
 class IngestSlots:
