@@ -1,7 +1,8 @@
 """One fuzz case and its properties, for the servicer and for the decoders.
 
-A servicer case: a fresh world (bench/fuzz_world.py), then 1-4 hostile calls, then the good
-learner pushes every fragment and pulls one back. Properties, checked after every call:
+A servicer case: a fresh world (bench/fuzz_world.py), then 1-4 hostile calls with time passing
+between them, then the good learner pushes every fragment and pulls one back. Properties,
+checked after every call:
 
 - no crash (an exception other than the servicer's abort) and no hang (CALL_TIMEOUT_S);
 - a refusal carries one of REFUSALS; while every earlier call of the case was refused (so the
@@ -92,6 +93,9 @@ def run_servicer_case(draw: Callable, caller: Caller = direct_caller) -> CaseRep
     report = CaseReport()
     fresh = True  # no call changed the world yet: mutated pushes' expected codes hold
     for n in range(draw(st.integers(1, 4))):
+        before = state_digest(world.aggregator)
+        world.advance(draw(st.sampled_from([0.0, 0.0, 0.001, 0.3, 2.0, 7.0])))
+        fresh = fresh and state_digest(world.aggregator) == before  # the tick did nothing
         family = (
             mutated_push
             if n == 0

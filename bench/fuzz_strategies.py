@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import strategies as st
 
 from bench.fuzz_world import FINGERPRINT, GOOD, MALLORY, SPECS, Scenario, World, small_delta
@@ -353,6 +354,33 @@ def fingerprints(draw) -> list[pb.ParamSpec]:
     return specs
 
 
+_SCALARS = {
+    FieldDescriptor.TYPE_INT64: st.one_of(st.integers(-2, 10), INT64),
+    FieldDescriptor.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_UINT64: st.integers(0, 2**64 - 1),
+    FieldDescriptor.TYPE_UINT32: st.integers(0, 2**32 - 1),
+    FieldDescriptor.TYPE_DOUBLE: st.one_of(FLOATS, st.sampled_from([5e-324, 1e-300, 1e300])),
+    FieldDescriptor.TYPE_FLOAT: st.floats(width=32),
+    FieldDescriptor.TYPE_BOOL: st.booleans(),
+    FieldDescriptor.TYPE_STRING: st.text(max_size=20),
+    FieldDescriptor.TYPE_BYTES: st.binary(max_size=20),
+    FieldDescriptor.TYPE_ENUM: st.integers(-(2**31), 2**31 - 1),
+}
+
+
+@st.composite
+def any_fields(draw, message_cls, **fixed: st.SearchStrategy):
+    """A message with every scalar field random for its type (fields added to the proto later
+    are fuzzed too); `fixed` gives the strategy of named fields."""
+    values = {}
+    for f in message_cls.DESCRIPTOR.fields:
+        if f.name in fixed:
+            values[f.name] = draw(fixed[f.name])
+        elif not f.is_repeated and f.type in _SCALARS:
+            values[f.name] = draw(_SCALARS[f.type])
+    return message_cls(**values)
+
+
 @st.composite
 def other_rpc(draw, world: World) -> Call:
     """Join, Heartbeat, Leave or PullParams with random fields."""
@@ -366,19 +394,19 @@ def other_rpc(draw, world: World) -> Call:
             codecs=draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=5)),
         )
     elif rpc == "Heartbeat":
-        request = pb.HeartbeatRequest(
-            session_id=session, step=draw(INT64), tokens=draw(INT64),
-            step_time_s=draw(FLOATS), loss=draw(FLOATS),
-        )  # fmt: skip
+        request = draw(any_fields(pb.HeartbeatRequest, session_id=st.just(session)))
     elif rpc == "Leave":
         request = pb.LeaveRequest(session_id=session)
     else:
         nfrag = world.scenario.fragments
-        request = pb.PullParamsRequest(
-            session_id=session,
-            fragment_id=draw(st.one_of(st.integers(0, nfrag), st.integers(0, 2**32 - 1))),
-            have_version=draw(st.one_of(st.integers(-2, 8), INT64)),
-            wait_for_version=draw(st.one_of(st.integers(-2, 8), INT64)),
-            wait_timeout_s=draw(FLOATS),
+        small = st.integers(-2, 8)
+        request = draw(
+            any_fields(
+                pb.PullParamsRequest,
+                session_id=st.just(session),
+                fragment_id=st.one_of(st.integers(0, nfrag), st.integers(0, 2**32 - 1)),
+                have_version=st.one_of(small, INT64),
+                wait_for_version=st.one_of(small, INT64),
+            )
         )
     return Call(rpc, request, ANY, f"rpc:{rpc}")

@@ -10,7 +10,8 @@ replay it exactly. The world has two learners: `good`, which only ever sends wel
 messages, and `mallory`, whose session the fuzzer uses. Both have pushed for two rounds, so
 each fragment has a version > 0, outer momentum, an update log and a warm norm guard, and no
 round is open (a scenario with warm=False skips those rounds: the state right after
-initialization). The clock is frozen, so renewing a lease writes the same deadline.
+initialization). The clock is a FakeClock: it stands still during a call and moves only when
+the fuzzer says so between calls (`World.advance`, which then runs the reaper's tick).
 
 The digest reads the Aggregator's private fields on purpose: the property under test is that
 a rejected message changes *nothing*, and the public API would hide exactly the state a bug
@@ -70,15 +71,30 @@ class Scenario:
 
 
 @dataclass
+class FakeClock:
+    now_s: float = FROZEN_CLOCK_S
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@dataclass
 class World:
     scenario: Scenario
     aggregator: Aggregator
     servicer: AggregatorServicer
     sessions: dict[str, str]  # learner id -> session id
     shapes: list[list[tuple[int, ...]]]  # per fragment
+    clock: FakeClock
 
     def version(self, fragment_id: int) -> int:
         return self.aggregator.version(fragment_id)
+
+    def advance(self, seconds: float) -> None:
+        """Let time pass between calls, then do what the server's reaper does every tick
+        (expire leases, close rounds whose grace window is over)."""
+        self.clock.now_s += seconds
+        self.aggregator.tick()
 
 
 @dataclass
@@ -161,7 +177,8 @@ def build_world(scenario: Scenario) -> World:
         pull_codec=scenario.pull_codec,
         lease_s=60.0,
     )
-    aggregator = Aggregator(config, clock=lambda: FROZEN_CLOCK_S)
+    clock = FakeClock()
+    aggregator = Aggregator(config, clock=clock)
     servicer = AggregatorServicer(aggregator)
     sessions = {}
     for learner in (GOOD, MALLORY):
@@ -173,7 +190,7 @@ def build_world(scenario: Scenario) -> World:
         sessions[learner] = reply.session_id
     spec_shapes = [s for _, s in SPECS]
     shapes = [[spec_shapes[i] for i in indices] for _, indices, _ in aggregator.layout()]
-    world = World(scenario, aggregator, servicer, sessions, shapes)
+    world = World(scenario, aggregator, servicer, sessions, shapes, clock)
     if not scenario.initialized:
         return world
     for fid, fshapes in enumerate(shapes):
