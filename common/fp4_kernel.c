@@ -140,7 +140,7 @@ int64_t fp4_dequantize(const uint8_t *packed, const uint8_t *scales, int64_t n,
         }
         if (isinf(lut[7]))
             for (int64_t i = 0; i < count; i++)
-                infinite += isinf(dst[i]);
+                infinite += isinf(dst[i]) != 0; /* isinf may be -1 for -inf */
     }
     return infinite;
 }
@@ -230,7 +230,7 @@ int64_t fp4_stats(const uint8_t *packed, const uint8_t *scales, int64_t n, const
             float lut[16];
             block_lut(grid, scales[b], lut);
             for (int64_t i = 0; i < count; i++)
-                infinite += isinf(lut[(bytes[i / 2] >> (4 * (i % 2))) & 0x0F]);
+                infinite += isinf(lut[(bytes[i / 2] >> (4 * (i % 2))) & 0x0F]) != 0;
             continue;
         }
         /* scale^2 = 2^(2e), |2e| <= 254: a normal float64, built from its bits */

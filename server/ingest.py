@@ -49,7 +49,14 @@ import torch
 from google.protobuf.message import DecodeError
 
 from common import fp4_native
-from common.codec import CODEC_NAMES, FP4_BLOCK, FP4_GRIDS, dequantize_fp4, encoded_sizes
+from common.codec import (
+    CODEC_NAMES,
+    E8M0_NAN,
+    FP4_BLOCK,
+    FP4_GRIDS,
+    dequantize_fp4,
+    encoded_sizes,
+)
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
@@ -191,6 +198,8 @@ def _value_stats(
         if status > 0:
             raise InvalidArgument(_NOT_FINITE)
         return squares, max_abs
+    if t.codec in FP4_GRIDS and E8M0_NAN in t.scales:  # before a chunk's infinities, as decode
+        raise InvalidArgument(_NAN_SCALE)
     squares, max_abs = 0.0, 0.0
     for start, stop in _spans(t.numel):
         values = scratch.chunk(t, start, stop)
