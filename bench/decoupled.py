@@ -9,7 +9,9 @@ at once. Every learner pads its steps with idle time (--slowdown 3, the slow one
 four together need about one core: each then runs at its own speed as if on its own machine.
 Without that, on a 2-core host a learner waiting in sync mode frees the CPU for the others
 and makes waiting look cheaper than it is on separate machines. The same setup runs in
-`sync` mode and in `quorum` mode (K = 1 plus the grace window). Reported for each mode:
+`sync` mode and in `quorum` mode (K = 1 plus the grace window; with dynamic local updates, so
+the slow learner syncs after half as many of its own steps, unless
+--no-dynamic-local-updates). Reported for each mode:
 
 - the eval loss of the global parameters against wall-clock time, as logged by learner-0
   (full speed, never killed; mean of its last 3 evaluations, since one eval set is small);
@@ -45,8 +47,13 @@ PACE = 3  # every step takes 3x its compute time (the slow learner's 6x): see th
 _EVAL = re.compile(r"eval_loss=([\d.]+)")
 
 
-def run_mode(mode: str, workdir: Path, duration_s: float, kill_every_s: float) -> dict:
+def run_mode(
+    mode: str, workdir: Path, duration_s: float, kill_every_s: float, dynamic: bool
+) -> dict:
     pace = {i: ["--slowdown", str(PACE * (2 if i == SLOW else 1))] for i in range(LEARNERS)}
+    if dynamic and mode != "sync":
+        for flags in pace.values():
+            flags.append("--dynamic-local-updates")
     cluster = Cluster(workdir, LEARNERS, FRAGMENTS, mode=mode, learner_flags=pace)
     started = time.time()
     cluster.start()
@@ -125,6 +132,12 @@ def main() -> int:
     parser.add_argument("--kill-every-s", type=float, default=60.0)
     parser.add_argument("--quick", action="store_true", help="100 s per mode, a kill every 40 s")
     parser.add_argument("--out", type=Path, default=RESULTS / "decoupled.json")
+    parser.add_argument(
+        "--no-dynamic-local-updates",
+        dest="dynamic",
+        action="store_false",
+        help="quorum learners keep H steps per sync whatever their speed",
+    )
     args = parser.parse_args()
     if args.quick:
         args.duration_s, args.kill_every_s = 100.0, 40.0
@@ -133,7 +146,9 @@ def main() -> int:
     results = {}
     for mode in ("sync", "quorum"):
         print(f"running {mode} for {args.duration_s:.0f} s", flush=True)
-        results[mode] = run_mode(mode, root / mode, args.duration_s, args.kill_every_s)
+        results[mode] = run_mode(
+            mode, root / mode, args.duration_s, args.kill_every_s, args.dynamic
+        )
     finals = {mode: r["curve"][-1][1] for mode, r in results.items()}
     target = max(finals.values())
     times = {mode: time_to(r["curve"], target) for mode, r in results.items()}
@@ -141,6 +156,7 @@ def main() -> int:
         "quick": args.quick,
         "duration_s": args.duration_s,
         "kill_every_s": args.kill_every_s,
+        "dynamic_local_updates_in_quorum": args.dynamic,
         "target_eval_loss": target,
         "final_eval_loss": finals,
         "time_to_target_s": times,

@@ -30,6 +30,10 @@ class LearnerConfig(GPTConfig):
     """τ: inner steps a fragment's sync may travel before it is merged (0: wait at once)."""
     merge_alpha: float = 0.5
     """α in θ ← α·θ_local + (1−α)·θ_global at the merge (0: take the global value)."""
+    dynamic_local_updates: bool = False
+    """quorum/async: a learner k times slower than the live learners' median step time
+    advances its schedule k steps per inner step, so it syncs after k times fewer steps of
+    its own and its pushes arrive in the same rounds as everyone else's."""
     batch_size: int = 16
     """Sequences per inner step."""
     inner_lr: float = 1e-3

@@ -111,6 +111,8 @@ class SyncSession:
         self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)
         self.server_epoch = 0
         self.server_versions: list[int] = []  # per fragment, from the last heartbeat
+        self.median_step_time_s = 0.0  # of the live learners, from the last heartbeat
+        self.blocking = True  # sync mode: wait at merges; set at join from the server's mode
         self.resume: list[SavedReplica] | None = None  # set before open() to resume
         self._resync = threading.Event()  # set when the session is gone: join and re-sync
         self._rejoin_backoff = Backoff()
@@ -130,13 +132,17 @@ class SyncSession:
         Returns True if the local parameters changed (a merge or a re-sync). Raises Stopped
         if asked to stop while waiting at a merge.
         """
-        self.step += 1
         if self._resync.is_set():
+            self.step += 1
             return self._try_rejoin()  # keeps training while the server is away
         assert self.sync is not None
         try:
-            self.sync.push_phase(self.step)
-            return bool(self.sync.merge_phase(self.step))
+            changed = False
+            for _ in range(self.pace()):
+                self.step += 1
+                self.sync.push_phase(self.step, self.progress.inner_steps)
+                changed |= bool(self.sync.merge_phase(self.step))
+            return changed
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -145,6 +151,16 @@ class SyncSession:
             )
             self._resync.set()
             return False
+
+    def pace(self) -> int:
+        """Schedule steps per inner step: 1, or with dynamic local updates (quorum, async)
+        how many times slower this learner is than the live learners' median, at most H."""
+        if not self.config.dynamic_local_updates or self.blocking:
+            return 1
+        mine = self.progress.compute_s / max(1, self.progress.inner_steps)
+        if self.median_step_time_s <= 0 or mine <= 0:
+            return 1
+        return max(1, min(self.config.sync_every_steps, round(mine / self.median_step_time_s)))
 
     def drain(self) -> None:
         """Merge the syncs still in flight after the last step, then take the global values.
@@ -242,7 +258,12 @@ class SyncSession:
                 replica.apply(self.transport.pull(replica.fragment_id, -1, 0, retry=False))
             replicas.append(replica)
         schedule = Schedule(cfg.sync_every_steps, len(replicas), cfg.overlap_steps)
-        self.step = schedule.resume_step([r.version for r in replicas])
+        self.blocking = reply.mode == "sync"  # quorum and async learners never wait
+        if not self.blocking and reply.schedule_step > 0:
+            # Rounds may close more than once per H steps here: start where the others are.
+            self.step = reply.schedule_step
+        else:
+            self.step = schedule.resume_step([r.version for r in replicas])
         self.sync = StreamingSync(
             self.params,
             replicas,
@@ -251,8 +272,8 @@ class SyncSession:
             cfg.push_codec,
             cfg.merge_alpha,
             tokens_per_step=self.tokens_per_step,
-            blocking=reply.mode == "sync",  # quorum and async learners never wait
-            start_step=self.step,
+            blocking=self.blocking,
+            start_step=self.progress.inner_steps,  # push_phase counts inner steps
         )
         for replica in replicas:
             if replica.fragment_id not in kept:
@@ -313,6 +334,7 @@ class SyncSession:
                 tokens=self.progress.tokens,
                 loss=self.progress.last_loss,
                 step_time_s=self.progress.compute_s / max(1, self.progress.inner_steps),
+                schedule_step=self.step,
             )
             session = request.session_id
             try:
@@ -320,6 +342,7 @@ class SyncSession:
                 if session != self.session_id:
                     continue  # a rejoin happened meanwhile; this answer is about the old one
                 self.server_versions = list(reply.fragment_versions)
+                self.median_step_time_s = reply.median_step_time_s
                 if reply.server_epoch != self.server_epoch:
                     log.warning(
                         "learner=%s server restarted (new epoch); will re-sync",

@@ -185,14 +185,20 @@ class StreamingSync:
         self.stats = SyncStats()
         # fragment -> (handle, push bytes, the step after which it is due for merging)
         self._in_flight: dict[int, tuple[Any, int, int]] = {}
-        # Tokens and steps of a push count from here: a (re)joining learner starts mid-schedule.
+        # Tokens and steps of a push count from here (in the clock push_phase is given: schedule
+        # steps, or inner steps): a (re)joining learner starts mid-schedule.
         self._last_push_step = [start_step] * len(replicas)
 
     def local(self, replica: FragmentReplica) -> list[torch.Tensor]:
         return [self.params[i] for i in replica.indices]
 
-    def push_phase(self, step: int) -> None:
-        """Send the pseudo-gradients of the fragments scheduled after this step."""
+    def push_phase(self, step: int, inner_step: int | None = None) -> None:
+        """Send the pseudo-gradients of the fragments scheduled after schedule step `step`.
+
+        `inner_step`: the learner's count of inner steps, when its schedule advances faster
+        than its own steps (dynamic local updates); a push then reports the real steps and
+        tokens since the fragment's last push. Without it, schedule steps are inner steps.
+        """
         for p in self.schedule.pushes_at(step):
             if p in self._in_flight:
                 # Non-blocking only: the last sync is still out. Keep training; the next
@@ -208,8 +214,9 @@ class StreamingSync:
                     g.to(x.device) - x.detach() for g, x in zip(replica.params, local, strict=True)
                 ]
             payload = encode_fragment(deltas, self.push_codec)
-            steps = step - self._last_push_step[p]
-            self._last_push_step[p] = step
+            clock = step if inner_step is None else inner_step
+            steps = clock - self._last_push_step[p]
+            self._last_push_step[p] = clock
             handle = self.transport.start_sync(
                 p, replica.version, payload, steps * self.tokens_per_step, steps
             )

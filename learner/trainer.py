@@ -131,13 +131,16 @@ class Learner:
             train_started = time.monotonic()
             while not island.agree([self._done(stop, started)])[0]:
                 self._inner_step()
+                before = self.step
                 changed, stopped = self._advance()
                 self.step, changed, stopped = island.agree([self.step, changed, stopped])
                 if changed:
                     island.broadcast_params(self.params)
                 if stopped:
                     break  # asked to stop while waiting at a merge
-                if self.step % cfg.sync_every_steps == 0:
+                # An outer step each time the schedule passes a multiple of H (it may advance
+                # several steps at once: dynamic local updates, or a rejoin).
+                if self.step // cfg.sync_every_steps > before // cfg.sync_every_steps:
                     self.progress.outer_steps += 1
                     self._record_eval()
                 self.progress.train_wall_s = time.monotonic() - train_started

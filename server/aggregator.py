@@ -29,7 +29,14 @@ from server.events import AggregatorEvents
 from server.fragment import FragmentState, PullResult, Round
 from server.ingest import DenseBody, PushBody
 from server.outer import DelayedNesterov, NesterovOuter
-from server.policy import NormGuard, contribution_weight, grace_window_s, staleness_discount
+from server.policy import (
+    NormGuard,
+    contribution_weight,
+    estimated_schedule_step,
+    grace_window_s,
+    median_step_time_s,
+    staleness_discount,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,8 @@ class Session:
     tokens: int = 0
     loss: float = float("nan")
     step_time_s: float = 0.0
+    schedule_step: int = 0  # the last one the learner reported, at clock time schedule_at
+    schedule_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,7 @@ class JoinResult:
     lease_s: float
     mode: str
     layout: str
+    schedule_step: int = 0  # policy.estimated_schedule_step of the other live learners
 
 
 class Aggregator:
@@ -115,6 +125,7 @@ class Aggregator:
                 raise FailedPrecondition(_fingerprint_mismatch(self._fingerprint, fingerprint))
             for old in [s for s in self._sessions.values() if s.learner_id == learner_id]:
                 self._drop(old, "rejoined")
+            schedule_step = self._schedule_estimate()
             session = Session(
                 secrets.token_hex(16), learner_id, self._clock() + self.config.lease_s
             )
@@ -132,6 +143,7 @@ class Aggregator:
                 lease_s=self.config.lease_s,
                 mode=self.config.mode,
                 layout=self.config.layout,
+                schedule_step=schedule_step,
             )
 
     def heartbeat(
@@ -141,6 +153,7 @@ class Aggregator:
         tokens: int = 0,
         loss: float = float("nan"),
         step_time_s: float = 0.0,
+        schedule_step: int = 0,
     ) -> tuple[list[int], int]:
         """Renew a lease and record progress; returns (fragment versions, live learners)."""
         with self._cond:
@@ -148,7 +161,22 @@ class Aggregator:
             session.step, session.tokens, session.loss = step, tokens, loss
             if step_time_s > 0:
                 session.step_time_s = step_time_s
+            if schedule_step > 0:
+                session.schedule_step, session.schedule_at = schedule_step, self._clock()
             return [f.version for f in self._fragments], len(self._sessions)
+
+    def median_step_time_s(self) -> float:
+        """The live learners' median reported inner-step time (0: none reported)."""
+        with self._cond:
+            return median_step_time_s(s.step_time_s for s in self._sessions.values())
+
+    def _schedule_estimate(self) -> int:
+        sessions = self._sessions.values()
+        return estimated_schedule_step(
+            ((s.schedule_step, s.schedule_at) for s in sessions),
+            self._clock(),
+            median_step_time_s(s.step_time_s for s in sessions),
+        )
 
     def tick(self) -> None:
         """Expire leases and close rounds whose grace window has passed (call it often)."""

@@ -50,6 +50,31 @@ def grace_window_s(
     return min(max(grace_steps * statistics.median(reported), min_s), max_s)
 
 
+def median_step_time_s(step_times_s: Iterable[float]) -> float:
+    """The median reported inner-step time; 0 when nobody reported one."""
+    reported = [t for t in step_times_s if t > 0]
+    return statistics.median(reported) if reported else 0.0
+
+
+def estimated_schedule_step(
+    reports: Iterable[tuple[int, float]], now: float, step_time_s: float
+) -> int:
+    """Where the live learners' schedule is now, for a learner that joins mid-run.
+
+    Each report (schedule step, clock time it was reported) is moved on by the time since, at
+    one schedule step per median step time (with dynamic local updates a slower learner's
+    schedule advances at that rate too); the median of those. 0 without reports. In quorum
+    mode rounds can close more than once per H steps, so fragment versions do not tell the
+    schedule step (Schedule.resume_step assumes they do, which holds in sync mode only).
+    """
+    estimates = [
+        step + (max(0.0, now - at) / step_time_s if step_time_s > 0 else 0.0)
+        for step, at in reports
+        if step > 0
+    ]
+    return int(statistics.median(estimates)) if estimates else 0
+
+
 class NormGuard:
     """Refuses a pseudo-gradient whose norm is far above the recent median for its fragment.
 

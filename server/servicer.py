@@ -87,6 +87,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             lease_s=result.lease_s,
             mode=result.mode,
             layout=result.layout,
+            schedule_step=result.schedule_step,
         )
         self.traffic.count(received=request.ByteSize(), sent=response.ByteSize())
         return response
@@ -158,12 +159,18 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
         self._check_caller(session_id=request.session_id)
         versions, live = self.aggregator.heartbeat(
-            request.session_id, request.step, request.tokens, request.loss, request.step_time_s
+            request.session_id,
+            request.step,
+            request.tokens,
+            request.loss,
+            request.step_time_s,
+            request.schedule_step,
         )
         response = pb.HeartbeatResponse(
             server_epoch=self.aggregator.server_epoch,
             fragment_versions=versions,
             live_learners=live,
+            median_step_time_s=self.aggregator.median_step_time_s(),
         )
         self.traffic.count(received=request.ByteSize(), sent=response.ByteSize())
         return response

@@ -189,3 +189,19 @@ def test_status_lines_are_rate_limited() -> None:
     assert rate is not None and 19.0 < rate <= 20.0  # 200 tokens in ~10 s
     assert since_sync < 1.0  # the sync count changed at the previous call
     assert clock.due(0.0, tokens=300, syncs=1)[0] is not None  # 0: every outer step
+
+
+def test_a_faster_schedule_reports_real_inner_steps() -> None:
+    # Dynamic local updates: the schedule runs 2 steps per inner step; a push after schedule
+    # step 10 (H = 10) carries the 5 inner steps the learner really took.
+    params = [torch.zeros(2)]
+    replica = FragmentReplica(0, [0], [(2,)])
+    replica.params, replica.version = [torch.zeros(2)], 0
+    transport = EchoTransport([replica])
+    sync = StreamingSync(
+        params, [replica], Schedule(10), transport, push_codec="fp32", tokens_per_step=10
+    )
+    for inner in range(1, 6):
+        for step in (2 * inner - 1, 2 * inner):
+            sync.push_phase(step, inner_step=inner)
+    assert transport.log == [("push", 0, 50)]

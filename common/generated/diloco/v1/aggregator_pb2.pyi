@@ -99,20 +99,22 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., fingerprint: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "server_epoch", "fragments", "lease_s", "mode", "layout")
+    __slots__ = ("session_id", "server_epoch", "fragments", "lease_s", "mode", "layout", "schedule_step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     server_epoch: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
     lease_s: float
     mode: str
     layout: str
-    def __init__(self, session_id: _Optional[str] = ..., server_epoch: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., lease_s: _Optional[float] = ..., mode: _Optional[str] = ..., layout: _Optional[str] = ...) -> None: ...
+    schedule_step: int
+    def __init__(self, session_id: _Optional[str] = ..., server_epoch: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., lease_s: _Optional[float] = ..., mode: _Optional[str] = ..., layout: _Optional[str] = ..., schedule_step: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("session_id", "fragment_id", "base_version", "inner_steps", "tokens", "kind", "payload_bytes")
@@ -187,28 +189,32 @@ class PullParamsResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[PullHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "step", "tokens", "step_time_s", "loss")
+    __slots__ = ("session_id", "step", "tokens", "step_time_s", "loss", "schedule_step")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_STEP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step: int
     tokens: int
     step_time_s: float
     loss: float
-    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ...) -> None: ...
+    schedule_step: int
+    def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., schedule_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("server_epoch", "fragment_versions", "live_learners")
+    __slots__ = ("server_epoch", "fragment_versions", "live_learners", "median_step_time_s")
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     server_epoch: int
     fragment_versions: _containers.RepeatedScalarFieldContainer[int]
     live_learners: int
-    def __init__(self, server_epoch: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., live_learners: _Optional[int] = ...) -> None: ...
+    median_step_time_s: float
+    def __init__(self, server_epoch: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., live_learners: _Optional[int] = ..., median_step_time_s: _Optional[float] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("session_id",)
