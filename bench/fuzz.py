@@ -1,10 +1,11 @@
 """Long fuzz run of the servicer and the decoders; prints and saves the tally.
 
-    python -m bench.fuzz --cases 10000                     # servicer (direct) + decoders
+    python -m bench.fuzz --cases 10000                     # servicer (direct), decoders, threads
     python -m bench.fuzz --cases 2000 --transport grpc     # through a loopback gRPC server
 
 Each servicer case is a fresh aggregator and 1-4 hostile calls (bench/fuzz_cases.py); each
-decoder case one hostile input to decode_fragment, decode or apply_updates. Cases are drawn by
+decoder case one hostile input to decode_fragment, decode or apply_updates; each concurrent
+case 4 threads of hostile calls and the good learner's push at once. Cases are drawn by
 hypothesis (generation only: no shrinking, nothing stored), in batches with seeds seed,
 seed+1, ... until --cases have run. Writes bench/results/fuzz.json; exits 1 on any violation.
 """
@@ -24,7 +25,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from bench.fuzz_cases import CaseReport, Tally, run_decoder_case, run_servicer_case
+from bench.fuzz_cases import CaseReport, Tally, run_concurrent_case, run_servicer_case
+from bench.fuzz_decoders import run_decoder_case
 from bench.fuzz_grpc import GrpcCaller
 from bench.fuzz_world import pull_wait_capped
 
@@ -64,12 +66,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=10_000, help="servicer cases")
     parser.add_argument("--decoder-cases", type=int, default=None, help="default: --cases")
+    parser.add_argument("--concurrent-cases", type=int, default=1000)
     parser.add_argument("--transport", choices=["direct", "grpc"], default="direct")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    if args.cases < 0 or (args.decoder_cases or 0) < 0:
-        parser.error("--cases and --decoder-cases must be >= 0")
+    if min(args.cases, args.decoder_cases or 0, args.concurrent_cases) < 0:
+        parser.error("--cases, --decoder-cases and --concurrent-cases must be >= 0")
     set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "diloco-hypothesis")  # not the repo
     logging.disable(logging.WARNING)  # every refusal logs a warning: millions of lines
     torch.set_num_threads(1)
@@ -87,8 +90,11 @@ def main() -> None:
         started = time.perf_counter()
         decoder = run(decoder_cases, run_decoder_case, args.seed)
         results["decoder"] = {**decoder.summary(), "wall_s": time.perf_counter() - started}
+        started = time.perf_counter()
+        concurrent = run(args.concurrent_cases, run_concurrent_case, args.seed)
+        results["concurrent"] = {**concurrent.summary(), "wall_s": time.perf_counter() - started}
     failed = False
-    for name in ("servicer", "decoder"):
+    for name in ("servicer", "decoder", "concurrent"):
         r = results[name]
         bad = r["crashes"] + r["hangs"] + r["state_changes"] + r["wrong_statuses"]
         bad += r["nonfinite_states"] + r["good_learner_failures"] + r["other_violations"]

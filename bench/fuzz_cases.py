@@ -14,23 +14,20 @@ checked after every call:
 - an accepted call leaves parameters, momentum, residual and round sums finite;
 - afterwards the good learner's pushes are accepted and its pull returns the fragment.
 
-A decoder case feeds random or mutated bytes to decode_fragment, decode and apply_updates:
-each returns well-formed finite tensors or raises InvalidArgument/ResourceExhausted, and
-apply_updates leaves the replica untouched when it refuses.
+Decoder cases are in bench/fuzz_decoders.py.
 """
 
 from __future__ import annotations
 
 import collections
 import copy
+import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import torch
 from hypothesis import strategies as st
 
 from bench.fuzz_strategies import (
@@ -39,14 +36,11 @@ from bench.fuzz_strategies import (
     garbage_push,
     mutated_push,
     other_rpc,
-    random_payload,
-    random_tensor,
     scenarios,
 )
 from bench.fuzz_world import (
     CALL_TIMEOUT_S,
     GOOD,
-    SPECS,
     Outcome,
     World,
     build_world,
@@ -55,10 +49,8 @@ from bench.fuzz_world import (
     state_digest,
     state_is_finite,
 )
-from common.codec import decode
-from common.errors import DilocoError, InvalidArgument, ResourceExhausted
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import apply_updates, decode_fragment, encode_fragment, params_crc32
+from common.wire import encode_fragment, params_crc32
 
 Code = grpc.StatusCode
 REFUSALS = frozenset(
@@ -111,12 +103,66 @@ def run_servicer_case(draw: Callable, caller: Caller = direct_caller) -> CaseRep
         outcome = _good_push(world, caller, fid)
         if outcome.code is not None or outcome.crash or outcome.hang:
             report.violations.append(f"good_push_failed: fragment {fid}: {_describe(outcome)}")
+    _check_good_pull(world, caller, report)
+    return report
+
+
+def _check_good_pull(world: World, caller: Caller, report: CaseReport) -> None:
     request = pb.PullParamsRequest(session_id=world.sessions[GOOD], fragment_id=0, have_version=-1)
     pulled = caller(world, "PullParams", request)
     if pulled.code is not None or pulled.crash or pulled.hang:
         report.violations.append(f"good_pull_failed: {_describe(pulled)}")
     elif pulled.response[0].header.params_crc32 != params_crc32(world.aggregator.params(0)):
         report.violations.append("good_pull_failed: checksum differs from the server's params")
+
+
+def run_concurrent_case(draw: Callable, threads: int = 4, calls_each: int = 3) -> CaseReport:
+    """Hostile calls from several threads at once while the good learner pushes: no crash,
+    no hang, only refusal codes, a finite state, the good push accepted and its pull served.
+
+    (Bit-identity of refused calls is the sequential cases' job: with calls interleaving
+    there is no "before" to compare with.)"""
+    world = build_world(draw(scenarios))
+    families = st.sampled_from([mutated_push, garbage_push, other_rpc])
+    plans = [[draw(draw(families)(world)) for _ in range(calls_each)] for _ in range(threads)]
+    good = [_good_push_call(world, fid) for fid in range(world.scenario.fragments)]
+    plans.append(good)
+    results: list[list[tuple[Call, Outcome]]] = [[] for _ in plans]
+
+    def work(plan: list[Call], out: list[tuple[Call, Outcome]]) -> None:
+        for call in plan:
+            out.append((call, call_direct(world.servicer, call.rpc, call.request)))
+
+    workers = [
+        threading.Thread(target=work, args=(plan, out), daemon=True)
+        for plan, out in zip(plans, results, strict=True)
+    ]
+    for worker in workers:
+        worker.start()
+    deadline = time.monotonic() + CALL_TIMEOUT_S * calls_each
+    report = CaseReport()
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            report.violations.append("hang: concurrent calls did not finish")
+            return report
+    for out in results:
+        for call, outcome in out:
+            report.labels.append(call.label)
+            report.codes.append(_outcome_name(outcome))
+            report.max_call_s = max(report.max_call_s, outcome.elapsed_s)
+            where = f"{call.label} {call.rpc}({_short(call.request)})"
+            if outcome.crash or (outcome.code is not None and outcome.code not in REFUSALS):
+                report.violations.append(f"crash: concurrent {where}: {_describe(outcome)}")
+    for call, outcome in results[-1]:
+        initial = call.request[0].header.kind == pb.PUSH_KIND_INITIAL
+        if initial and outcome.code == Code.ALREADY_EXISTS:
+            continue  # mallory's initial parameters got there first: a fair race
+        if outcome.code is not None or outcome.crash:
+            report.violations.append(f"good_push_failed: concurrent: {_describe(outcome)}")
+    if not state_is_finite(world.aggregator):
+        report.violations.append("nonfinite_state: after concurrent calls")
+    _check_good_pull(world, direct_caller, report)
     return report
 
 
@@ -187,6 +233,11 @@ def _learn_session(world: World, call: Call, outcome: Outcome) -> None:
 
 
 def _good_push(world: World, caller: Caller, fid: int) -> Outcome:
+    call = _good_push_call(world, fid)
+    return caller(world, call.rpc, call.request)
+
+
+def _good_push_call(world: World, fid: int) -> Call:
     """The good learner's pseudo-gradient, or its initial parameters if there are none yet."""
     initial = world.version(fid) == -1
     payload = encode_fragment(small_delta(world.shapes[fid], seed=7 + fid), "fp4_e2m1")
@@ -200,7 +251,7 @@ def _good_push(world: World, caller: Caller, fid: int) -> Outcome:
         payload_bytes=len(payload),
     )
     messages = [pb.PushFragmentRequest(header=header), pb.PushFragmentRequest(chunk=payload)]
-    return caller(world, "PushFragment", messages)
+    return Call("PushFragment", messages, None, "good:push")
 
 
 def _describe(outcome: Outcome) -> str:
@@ -225,96 +276,6 @@ def _diff(a: dict, b: dict, prefix: str = "") -> str:
         else:
             parts.append(f"{prefix}{k}")
     return ", ".join(parts)
-
-
-# -- decoders ----------------------------------------------------------------------------
-
-
-def run_decoder_case(draw: Callable) -> CaseReport:
-    """decode_fragment, decode and apply_updates on hostile bytes; see the module docstring."""
-    report = CaseReport()
-    shapes = draw(
-        st.one_of(
-            st.just([s for _, s in SPECS]),
-            st.lists(st.lists(st.integers(0, 40), max_size=3).map(tuple), min_size=1, max_size=3),
-        )
-    )
-    which = draw(st.sampled_from(["decode_fragment", "decode", "apply_updates"]))
-    if which == "decode_fragment":
-        data = draw(st.one_of(random_payload(shapes), _mutated_bytes(shapes)))
-        _check_decoder(report, which, lambda: decode_fragment(data, shapes), shapes)
-    elif which == "decode":
-        msg = draw(random_tensor(shapes[0]))
-        expected = draw(st.sampled_from([shapes[0], None]))
-        want = None if expected is None else [expected]
-        _check_decoder(report, which, lambda: [decode(msg, expected)], want)
-    else:
-        replica = small_delta(shapes, draw(st.integers(0, 2**16)))
-        before = [t.clone() for t in replica]
-        have = draw(st.integers(-2, 5))
-        updates = [draw(random_payload(shapes)) for _ in range(draw(st.integers(0, 3)))]
-        chain = pb.FragmentUpdates(
-            from_version=draw(st.sampled_from([have, have + 1, -(2**63)])),
-            updates=[_parse_or_empty(u) for u in updates],
-        ).SerializeToString()
-        data = draw(st.one_of(st.just(chain), st.binary(max_size=200)))
-        refused = _check_decoder(report, which, lambda: apply_updates(replica, data, have), None)
-        if refused and not all(torch.equal(a, b) for a, b in zip(before, replica, strict=True)):
-            report.violations.append("state_change: refused update chain changed the replica")
-    return report
-
-
-def _parse_or_empty(data: bytes) -> pb.EncodedFragment:
-    try:
-        return pb.EncodedFragment.FromString(data)
-    except Exception:  # noqa: BLE001 - random bytes: use an empty update instead
-        return pb.EncodedFragment()
-
-
-@st.composite
-def _mutated_bytes(draw, shapes: list[tuple[int, ...]]) -> bytes:
-    """A valid fragment encoding, then truncated, extended or with bytes flipped."""
-    codec = draw(st.sampled_from(["fp32", "bf16", "fp4_e2m1", "fp4_e3m0"]))
-    data = bytearray(encode_fragment(small_delta(shapes, draw(st.integers(0, 2**16))), codec))
-    for _ in range(draw(st.integers(1, 3))):
-        op = draw(st.sampled_from(["flip", "cut", "extend"]))
-        if op == "flip" and data:
-            data[draw(st.integers(0, len(data) - 1))] ^= draw(st.integers(1, 255))
-        elif op == "cut":
-            del data[draw(st.integers(0, len(data))) :]
-        else:
-            data += draw(st.binary(max_size=16))
-    return bytes(data)
-
-
-def _check_decoder(report: CaseReport, name: str, fn: Callable, shapes) -> bool:
-    """Run fn bounded in time; True when it refused the input cleanly."""
-    report.labels.append(f"decoder:{name}")
-    started = time.perf_counter()
-    try:
-        result = fn()
-    except (InvalidArgument, ResourceExhausted) as err:
-        report.codes.append(err.code.name)
-        return True
-    except DilocoError as err:
-        report.violations.append(f"wrong_status: {name} raised {type(err).__name__}: {err}")
-        return True
-    except Exception:  # noqa: BLE001 - anything else is a crash
-        report.violations.append(f"crash: {name}: {traceback.format_exc()}")
-        return True
-    finally:
-        elapsed = time.perf_counter() - started
-        report.max_call_s = max(report.max_call_s, elapsed)
-        if elapsed > CALL_TIMEOUT_S:
-            report.violations.append(f"hang: {name} took {elapsed:.1f} s")
-    report.codes.append("accepted")
-    if isinstance(result, list):
-        got = [tuple(t.shape) for t in result]
-        if shapes is not None and got != [tuple(s) for s in shapes]:
-            report.violations.append(f"wrong_result: {name} returned shapes {got}, not {shapes}")
-        if not all(t.dtype == torch.float32 and bool(torch.isfinite(t).all()) for t in result):
-            report.violations.append(f"wrong_result: {name} returned non-finite or non-fp32")
-    return False
 
 
 @dataclass

@@ -21,9 +21,10 @@ from bench.fuzz_cases import (
     CaseReport,
     check_call,
     direct_caller,
-    run_decoder_case,
+    run_concurrent_case,
     run_servicer_case,
 )
+from bench.fuzz_decoders import run_decoder_case
 from bench.fuzz_strategies import Call
 from bench.fuzz_world import (
     MALLORY,
@@ -62,6 +63,14 @@ def test_servicer_survives_hostile_calls(data: st.DataObject) -> None:
 @given(st.data())
 def test_decoders_refuse_hostile_bytes_cleanly(data: st.DataObject) -> None:
     report = run_decoder_case(data.draw)
+    assert not report.violations, "\n".join(report.violations)
+
+
+@settings(CI, max_examples=15)
+@given(st.data())
+def test_servicer_survives_concurrent_hostile_calls(data: st.DataObject) -> None:
+    with pull_wait_capped():
+        report = run_concurrent_case(data.draw)
     assert not report.violations, "\n".join(report.violations)
 
 
