@@ -72,7 +72,15 @@ def estimated_schedule_step(
         for step, at in reports
         if step > 0
     ]
-    return int(statistics.median(estimates)) if estimates else 0
+    if not estimates:
+        return 0
+    # Learners report any int64 and any step time (a subnormal one makes the estimate inf):
+    # keep the answer an exact integer that fits the reply's int64 field.
+    median = statistics.median(estimates)
+    return int(median) if median < MAX_SCHEDULE_STEP else MAX_SCHEDULE_STEP
+
+
+MAX_SCHEDULE_STEP = 2**53  # exact in float64; no run takes this many steps
 
 
 class NormGuard:

@@ -27,6 +27,7 @@ from bench.fuzz_cases import (
 from bench.fuzz_decoders import run_decoder_case
 from bench.fuzz_strategies import Call
 from bench.fuzz_world import (
+    FINGERPRINT,
     MALLORY,
     Scenario,
     build_world,
@@ -160,3 +161,19 @@ def test_push_whose_claimed_weight_would_overflow_the_round_is_refused(mode: str
     messages = push_messages(world.sessions[MALLORY], 0, 0, payload, tokens=10**6, inner_steps=100)
     assert call_direct(world.servicer, "PushFragment", messages, timeout_s=10).code is None
     assert state_is_finite(world.aggregator)
+
+
+@pytest.mark.parametrize("schedule_step, step_time_s", [(2**63 - 1, 1.0), (3, 5e-324)])
+def test_join_survives_absurd_schedule_reports(schedule_step: int, step_time_s: float) -> None:
+    """One learner's heartbeat (schedule step near 2^63, or a subnormal step time) made every
+    later Join crash: the estimate overflowed int64 or was int(inf)."""
+    world = build_world(Scenario(mode="quorum"))
+    heartbeat = pb.HeartbeatRequest(
+        session_id=world.sessions[MALLORY], schedule_step=schedule_step, step_time_s=step_time_s
+    )
+    assert call_direct(world.servicer, "Heartbeat", heartbeat).code is None
+    world.advance(2.0)
+    request = pb.JoinRequest(learner_id="eve", fingerprint=FINGERPRINT)
+    joined = call_direct(world.servicer, "Join", request, timeout_s=10)
+    assert not joined.crash and joined.code is None, joined
+    assert 0 <= joined.response.schedule_step <= 2**53
