@@ -1,6 +1,6 @@
 """One fuzz case and its properties, for the servicer and for the decoders.
 
-A servicer case: a fresh world (bench/fuzz_world.py), then 1-4 hostile calls with time passing
+A servicer case: a fresh world (bench/fuzz_world.py), then 1-6 hostile calls with time passing
 between them, then the good learner pushes every fragment and pulls one back. Properties,
 checked after every call:
 
@@ -84,14 +84,14 @@ def run_servicer_case(draw: Callable, caller: Caller = direct_caller) -> CaseRep
     world = build_world(draw(scenarios))
     report = CaseReport()
     fresh = True  # no call changed the world yet: mutated pushes' expected codes hold
-    for n in range(draw(st.integers(1, 4))):
+    for n in range(draw(st.integers(1, 6))):
         before = state_digest(world.aggregator)
         world.advance(draw(st.sampled_from([0.0, 0.0, 0.001, 0.3, 2.0, 7.0])))
         fresh = fresh and state_digest(world.aggregator) == before  # the tick did nothing
         family = (
             mutated_push
             if n == 0
-            else draw(st.sampled_from([mutated_push, garbage_push, other_rpc]))
+            else draw(st.sampled_from([mutated_push, garbage_push, other_rpc, other_rpc]))
         )
         call = draw(family(world))
         outcome = check_call(world, call, caller, exact=fresh, report=report)

@@ -35,6 +35,8 @@ ANY = "any"  # accepted or any refusal code (REFUSALS): the call's outcome is no
 ACCEPTED = None
 INT64 = st.integers(-(2**63), 2**63 - 1)
 FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=64)
+# Where int64 arithmetic goes wrong: the ends, float64's last exact integer, int32's end.
+INT64_EDGES = st.sampled_from([2**63 - 1, -(2**63), 2**63 - 512, 2**53 + 1, 2**31, -1])
 
 scenarios = st.builds(
     Scenario,
@@ -355,7 +357,7 @@ def fingerprints(draw) -> list[pb.ParamSpec]:
 
 
 _SCALARS = {
-    FieldDescriptor.TYPE_INT64: st.one_of(st.integers(-2, 10), INT64),
+    FieldDescriptor.TYPE_INT64: st.one_of(st.integers(-2, 10), INT64, INT64_EDGES),
     FieldDescriptor.TYPE_INT32: st.integers(-(2**31), 2**31 - 1),
     FieldDescriptor.TYPE_UINT64: st.integers(0, 2**64 - 1),
     FieldDescriptor.TYPE_UINT32: st.integers(0, 2**32 - 1),
