@@ -102,6 +102,8 @@ class Kernel:
         status = self._lib.fp4_stats(
             payload, scales, numel, grid.data_ptr(), ctypes.byref(squares), ctypes.byref(max_abs)
         )
+        if status == -2:
+            raise ValueError("fp4 grid squares are not whole 16-bit units of a power of two")
         return int(status), squares.value, max_abs.value
 
     def accumulate(

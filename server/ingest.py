@@ -17,13 +17,14 @@ fp4 pushes take the C kernel (common/fp4_kernel.c: fp4_stats, fp4_accumulate), o
 the packed codes each, reading the wire bytes in place, with the GIL released so that pushes
 in other slots proceed in parallel. Profiled before (bench/ingest.py --quick, py-spy), the
 torch chunk path spent ~27 ms per 4 M-value push on the checks and ~17 ms under the lock on
-the add, so the lock capped ingest near 2 MiB / 17 ms; the kernel takes ~0.8 ms and ~1.5 ms.
+the add, so the lock capped ingest near 2 MiB / 17 ms; the kernel takes ~0.3 ms (AVX2 table
+lookups) and ~1.5 ms (the sum's 16 MB read and write: memory bound).
 The add is bit-identical to torch's `add_(values, alpha=w)`, whose rounding differs by CPU
 (one FMA in its AVX2/AVX512 kernels, a multiply then an add in its baseline ones): the
 kernel's mode is chosen by measuring torch in this process (Kernel.torch_add_mode), and where
 neither mode matches, or there is no kernel (DILOCO_FP4_KERNEL=torch), the torch path below
-runs. The kernel's norm sums exact per-block sums of squares, so it can differ from the torch
-path's float64 dot product in the last bits (the order of the sum); max |value| is exact.
+runs. The kernel's norm sums the squares exactly per scale (in integers), so it can differ
+from the torch path's float64 dot product in the last bits; max |value| is exact.
 
 Other codecs (and the torch path) decode `CHUNK_VALUES` at a time: a chunk of float32 stays
 in the CPU cache between the decode and the add, so the second decode costs less than the

@@ -240,3 +240,9 @@ def test_torch_baseline_kernels_select_the_multiply_then_add_mode() -> None:
         [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, timeout=120
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
+def test_a_grid_without_exact_square_units_is_refused(kernel) -> None:
+    grid = torch.tensor([0.0, 0.1, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # 0.1 is no binary fraction
+    with pytest.raises(ValueError, match="grid squares"):
+        kernel.stats(b"\x00" * 16, b"\x7f", 32, grid)
