@@ -19,12 +19,10 @@ import torch
 
 from common.codec import codec_id, decode, encode
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment, params_crc32
+from common.wire import params_crc32
 from server.ingest import DenseBody, PushBody
 from server.outer import OuterOptimizer
-
-# Update chains kept per fragment for the current version (by the version pulled from).
-CACHED_CHAINS = 2
+from server.pull_parts import chain_parts, snapshot_parts
 
 
 @dataclass
@@ -45,10 +43,25 @@ class Round:
 
 @dataclass(frozen=True)
 class PullResult:
+    """An answer to a pull. Its payload is the concatenation of `parts`, which are shared by
+    every pull (the snapshot of a version, each logged update): streaming them part by part
+    costs no per-pull copy of the payload, so pulls in flight do not hold memory in
+    proportion to the model each (bench/load.py)."""
+
     kind: int  # pb.PULL_KIND_*
     version: int
-    payload: bytes
+    parts: tuple[bytes, ...]
     params_crc32: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    @property
+    def payload(self) -> bytes:
+        """The whole payload in one buffer, for in-process callers and tests (a copy when
+        there is more than one part); the servicer streams `parts` instead."""
+        return b"".join(self.parts)
 
 
 @dataclass(frozen=True)
@@ -78,10 +91,10 @@ class FragmentState:
         self.version = -1
         self.round = Round()
         self._residual: list[torch.Tensor] | None = None
-        # (version the update starts from, the quantized update) for the newest versions.
-        self._updates: deque[tuple[int, pb.EncodedFragment]] = deque(maxlen=update_log_versions)
+        # (version the update starts from, the serialized EncodedFragment of the quantized
+        # update) for the newest versions: serialized once, shared by every pull's chain.
+        self._updates: deque[tuple[int, bytes]] = deque(maxlen=update_log_versions)
         self._snapshot: PullResult | None = None
-        self._chains: dict[int, PullResult] = {}  # have_version -> chain, current version
         self._crc: tuple[int, int] | None = None  # (version, params_crc32)
         self._numel = sum(math.prod(shape) for shape in shapes)
         self.last_mean: list[torch.Tensor] | None = None  # of the last round, for the log
@@ -137,7 +150,7 @@ class FragmentState:
         else:
             self._apply_quantized(self.outer.update(mean))
         self.version += 1
-        self._snapshot, self._chains = None, {}  # old answers: free their memory now
+        self._snapshot = None  # the old answer: free its memory now
 
     def state_dict(self) -> dict:
         """Everything needed to resume this fragment exactly: parameters, version, outer
@@ -147,7 +160,7 @@ class FragmentState:
             "params": self.params,
             "outer": dict(vars(self.outer)),
             "residual": self._residual,
-            "updates": [(start, msg.SerializeToString()) for start, msg in self._updates],
+            "updates": list(self._updates),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -158,44 +171,39 @@ class FragmentState:
         self._residual = state["residual"]
         self._updates.clear()
         for start, data in state["updates"]:
-            self._updates.append((start, pb.EncodedFragment.FromString(data)))
-        self._snapshot, self._chains, self._crc = None, {}, None
+            pb.EncodedFragment.FromString(data)  # refuse a corrupt log now, not at a pull
+            self._updates.append((start, bytes(data)))
+        self._snapshot, self._crc = None, None
 
     def pull(self, have_version: int) -> PullResult:
         """What a learner at `have_version` needs: nothing, the update chain, or a snapshot.
 
-        Answers are built once per version and shared: every learner at the same version gets
-        the same bytes, so the serialization cost and memory do not grow with the learners.
-        The float32 snapshot is built only when someone needs it, not on every pull.
+        Answers share their bytes: the snapshot is built once per version, when someone
+        first needs it, and a chain is a list of the logged updates' serialized bytes with a
+        few bytes of framing. Building one serialized chain per pull instead (up to a
+        snapshot's size each, for learners at many different versions) made the server's
+        memory grow by about 4 MB per learner for a 4 MiB model in bench/load.py.
         """
         crc = self._current_crc32()
         if have_version >= self.version:
-            return PullResult(pb.PULL_KIND_UP_TO_DATE, self.version, b"", crc)
+            return PullResult(pb.PULL_KIND_UP_TO_DATE, self.version, (), crc)
         log_covers = bool(self._updates) and 0 <= self._updates[0][0] <= have_version
         if log_covers:
             chain = self._chain(have_version, crc)
             # A snapshot is at least 4 bytes a value: compare with it only when that is close.
-            if len(chain.payload) < 4 * self._numel or len(chain.payload) < len(
-                self._current_snapshot().payload
+            if chain.payload_bytes < 4 * self._numel or chain.payload_bytes < (
+                self._current_snapshot().payload_bytes
             ):
                 return chain
         return self._current_snapshot()
 
     def _chain(self, have_version: int, crc: int) -> PullResult:
-        """The update chain from `have_version`, cached for the current version (the newest
-        few starting points only: learners mostly pull from the version just before)."""
-        cached = self._chains.get(have_version)
-        if cached is not None and cached.version == self.version:
-            return cached
-        if any(c.version != self.version for c in self._chains.values()):
-            self._chains.clear()
-        if len(self._chains) >= CACHED_CHAINS:
-            self._chains.pop(next(iter(self._chains)))
-        chain = [msg for start, msg in self._updates if start >= have_version]
-        data = pb.FragmentUpdates(from_version=have_version, updates=chain).SerializeToString()
-        result = PullResult(pb.PULL_KIND_UPDATES, self.version, data, crc)
-        self._chains[have_version] = result
-        return result
+        """The serialized FragmentUpdates from `have_version`: the logged updates' own bytes
+        with a few bytes of framing (server/pull_parts.py)."""
+        logged = (data for start, data in self._updates if start >= have_version)
+        return PullResult(
+            pb.PULL_KIND_UPDATES, self.version, chain_parts(have_version, logged), crc
+        )
 
     def _current_crc32(self) -> int:
         if self._crc is None or self._crc[0] != self.version:
@@ -215,7 +223,7 @@ class FragmentState:
         self._residual = [u.sub_(q) for u, q in zip(update, quantized, strict=True)]
         for p, q in zip(self.params, quantized, strict=True):
             p.add_(q)  # the same float32 addition every learner does (common.wire.apply_updates)
-        self._updates.append((self.version, encoded))
+        self._updates.append((self.version, encoded.SerializeToString()))
 
     def _current_snapshot(self) -> PullResult:
         if self._snapshot is None or self._snapshot.version != self.version:
@@ -223,7 +231,7 @@ class FragmentState:
             self._snapshot = PullResult(
                 pb.PULL_KIND_SNAPSHOT,
                 self.version,
-                encode_fragment(self.params, "fp32"),
+                snapshot_parts(self.params),
                 self._current_crc32(),
             )
         return self._snapshot

@@ -18,7 +18,7 @@ from common.errors import DilocoError, InvalidArgument, PermissionDenied
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.traffic import NO_FRAGMENT, Traffic
-from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
+from common.wire import CHUNK_BYTES, chunks, decode_fragment, join_chunks, max_fragment_bytes
 from server.aggregator import Aggregator, ParamSpec
 from server.auth import authenticated_learner
 from server.ingest import IngestSlots
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 # The longest a PullParams call may block waiting for a new version.
 MAX_PULL_WAIT_S = 60.0
+# Pull payload parts below this size (framing) are joined with their neighbours (_pieces).
+SMALL_PART_BYTES = 4096
 
 
 def _abort_on_domain_error(method):
@@ -150,10 +152,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             fragment_id=fid,
             version=result.version,
             kind=result.kind,
-            payload_bytes=len(result.payload),
+            payload_bytes=result.payload_bytes,
             params_crc32=result.params_crc32,
         )
-        return self._stream(header, result.payload)
+        return self._stream(header, result.parts)
 
     @_abort_on_domain_error
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
@@ -192,11 +194,39 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.traffic.count(fragment_id, received=msg.ByteSize())
         return msg.chunk
 
-    def _stream(self, header: pb.PullHeader, payload: bytes) -> Iterator[pb.PullParamsResponse]:
+    def _stream(
+        self, header: pb.PullHeader, parts: tuple[bytes, ...]
+    ) -> Iterator[pb.PullParamsResponse]:
+        """The header, then the payload's parts in chunks of at most CHUNK_BYTES. The parts
+        are shared between pulls (server/fragment.py) and never joined here: a stream holds
+        one chunk at a time, whatever the model's size. Consecutive small parts (a chain's
+        framing) go together in one message; the learner joins the chunks in order."""
         first = pb.PullParamsResponse(header=header)
         self.traffic.count(header.fragment_id, sent=first.ByteSize())
         yield first
-        for piece in chunks(payload):
+        for piece in _pieces(parts):
             msg = pb.PullParamsResponse(chunk=piece)
             self.traffic.count(header.fragment_id, sent=msg.ByteSize())
             yield msg
+
+
+def _pieces(parts: tuple[bytes, ...], size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The parts' bytes, in order, in pieces of at most `size`: a part of at least
+    SMALL_PART_BYTES is cut by itself (a part that fits is sent as is, uncopied); smaller
+    ones are joined with their small neighbours."""
+    small: list[bytes] = []
+    small_bytes = 0
+    for part in parts:
+        if len(part) < min(SMALL_PART_BYTES, size):
+            if small_bytes + len(part) > size:
+                yield b"".join(small)
+                small, small_bytes = [], 0
+            small.append(part)
+            small_bytes += len(part)
+            continue
+        if small:
+            yield b"".join(small)
+            small, small_bytes = [], 0
+        yield from chunks(part, size)
+    if small:
+        yield b"".join(small)
