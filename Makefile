@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick \
-	compose-smoke wan-sim bench-decoupled bench-load bench bench-quick sim
+	compose-smoke wan-sim bench-decoupled bench-load bench bench-quick sim fuzz
 
 install: $(STAMP)
 
@@ -55,6 +55,10 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python -m bench.perf --quick
+
+# Property-based fuzzing of the real servicer and decoders (bench/fuzz.py), 10,000 cases.
+fuzz: $(STAMP)
+	$(BIN)/python -m bench.fuzz --cases 10000
 
 # The planning simulator (bench/sim): Streaming DiLoCo Table 4 and goodput vs failure rate.
 sim: $(BENCH_STAMP)
