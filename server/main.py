@@ -15,7 +15,7 @@ import threading
 from common.config import add_config_flags, config_from_args
 from common.metrics_http import serve_metrics
 from server.app import AggregatorService, ServerConfig
-from server.runtime import limit_malloc_arenas, single_threaded_torch
+from server.runtime import limit_malloc_arenas, single_threaded_torch, start_malloc_trimmer
 
 
 def main() -> None:
@@ -28,6 +28,7 @@ def main() -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    start_malloc_trimmer(stop)  # bounded RSS under many learners (server/runtime.py)
     try:
         service = AggregatorService(config)
         if config.metrics_listen:

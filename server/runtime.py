@@ -16,6 +16,16 @@ team waits for preempted workers at every barrier: the ingest of a 4 M-value fp4
 
 An explicit MALLOC_ARENA_MAX in the environment wins (glibc has already applied it); on a
 libc other than glibc nothing is changed and a log line says so.
+
+Trimming: even with two arenas, the heap fragments. Model-sized buffers (round sums, outer
+updates, snapshots) and message-sized ones (pushes, pull chunks) are made and freed by many
+threads at once, and the free space between live blocks stays resident: at 64 learners
+(bench/load.py, 4 MiB model) glibc held ~0.5 GB free against ~0.16 GB in use, and RSS grew
+with the learners. malloc_trim(0) hands the free pages back (measured: peak RSS 664 -> 468 MB,
+pushes/s unchanged) but holds the arena locks while it walks them (10-40 ms here), so it runs
+once a second on its own thread: every 0.25 s gave 395 MB and cost a fifth of the push rate.
+Returning every large buffer to the system instead (MALLOC_MMAP_THRESHOLD_=2 MiB) gave 420 MB
+but cost a third of the push rate in page faults.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import ctypes
 import logging
 import os
 import platform
+import threading
 
 import torch
 
@@ -31,6 +42,7 @@ log = logging.getLogger("diloco.server")
 
 M_ARENA_MAX = -8  # from glibc's malloc.h
 DEFAULT_ARENAS = 2
+DEFAULT_TRIM_INTERVAL_S = 1.0
 
 
 def limit_malloc_arenas(arenas: int = DEFAULT_ARENAS) -> bool:
@@ -59,3 +71,30 @@ def single_threaded_torch() -> None:
     """One intra-op thread per calling thread (see the module docstring)."""
     torch.set_num_threads(1)
     log.info("torch: 1 intra-op thread per RPC thread (server/runtime.py)")
+
+
+def start_malloc_trimmer(
+    stop: threading.Event, interval_s: float = DEFAULT_TRIM_INTERVAL_S
+) -> bool:
+    """Hand glibc's free heap pages back to the system every `interval_s` until `stop` is set
+    (see the module docstring); returns whether the trimmer thread was started."""
+    if interval_s <= 0:
+        raise ValueError(f"malloc trim interval must be > 0 s, got {interval_s}")
+    libc_name, _ = platform.libc_ver()
+    if libc_name != "glibc":
+        log.info("malloc: libc is %s, not glibc; heap not trimmed", libc_name or "unknown")
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError) as err:
+        log.warning("malloc: malloc_trim not found (%s); heap not trimmed", err)
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+
+    def trim() -> None:
+        while not stop.wait(interval_s):  # ctypes releases the GIL for the call
+            malloc_trim(0)
+
+    threading.Thread(target=trim, name="malloc-trim", daemon=True).start()
+    log.info("malloc: free heap pages handed back every %.2f s (server/runtime.py)", interval_s)
+    return True

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 MAX_PULL_WAIT_S = 60.0
 # Pull payload parts below this size (framing) are joined with their neighbours (_pieces).
 SMALL_PART_BYTES = 4096
+# Pull answers are streamed in messages of at most this size. Each stream in flight holds
+# about three copies of one message (its slice, the message, its serialization, gRPC's send
+# buffer), so this, not the model, sets what a pulling learner costs the server.
+PULL_CHUNK_BYTES = 256 << 10
 
 
 def _abort_on_domain_error(method):
@@ -204,7 +208,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         first = pb.PullParamsResponse(header=header)
         self.traffic.count(header.fragment_id, sent=first.ByteSize())
         yield first
-        for piece in _pieces(parts):
+        for piece in _pieces(parts, PULL_CHUNK_BYTES):
             msg = pb.PullParamsResponse(chunk=piece)
             self.traffic.count(header.fragment_id, sent=msg.ByteSize())
             yield msg
