@@ -2,6 +2,7 @@
 
     python bench/load.py                       # 64 learners, 120 s
     python bench/load.py --quick --learners 32 # 45 s
+    python bench/load.py --quick --model-mib 64 # the model-proportional part of the memory
 
 The server runs as its own process (quorum mode, K = 8, 1 fragment, fp4 pulls) so its memory
 can be read from /proc. Each simulated learner is a thread with its own channel: it joins,
@@ -39,8 +40,20 @@ from common.wire import encode_fragment  # noqa: E402
 from learner.client import AggregatorClient  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SHAPES = [(1024, 512), (512, 1024)]  # 1 M float32 parameters, 4 MiB
-SPECS = [pb.ParamSpec(name=f"w{i}", shape=list(s), dtype="float32") for i, s in enumerate(SHAPES)]
+
+
+def model_shapes(model_mib: int) -> list[tuple[int, int]]:
+    """Two float32 matrices of model_mib / 2 MiB each; 4 MiB: (1024, 512) and (512, 1024)."""
+    return [(256 * model_mib, 512), (512, 256 * model_mib)]
+
+
+def model_specs(shapes: list[tuple[int, int]]) -> list[pb.ParamSpec]:
+    return [
+        pb.ParamSpec(name=f"w{i}", shape=list(shape), dtype="float32")
+        for i, shape in enumerate(shapes)
+    ]
+
+
 INTENDED = set()  # rejections this workload should provoke: none
 
 
@@ -52,9 +65,12 @@ def rss_mb(pid: int) -> float:
 
 
 class Learner(threading.Thread):
-    def __init__(self, i: int, port: int, payload: bytes, stop: threading.Event) -> None:
+    def __init__(
+        self, i: int, port: int, shapes: list, payload: bytes, stop: threading.Event
+    ) -> None:
         super().__init__(daemon=True)
         self.i, self.port, self.payload, self.stop = i, port, payload, stop
+        self.shapes = shapes
         self.latencies: list[float] = []
         self.errors: Counter[str] = Counter()
         self.joined = threading.Event()  # learner 0: set once the model is initialised
@@ -65,11 +81,11 @@ class Learner(threading.Thread):
         client = AggregatorClient(f"127.0.0.1:{self.port}", None, metadata)
         try:
             client.wait_ready(30)
-            session = client.join(f"load-{self.i}", SPECS).session_id
+            session = client.join(f"load-{self.i}", model_specs(self.shapes)).session_id
             if self.i == 0:
                 init = pb.PushHeader(session_id=session, fragment_id=0, base_version=-1)
                 init.kind = pb.PUSH_KIND_INITIAL
-                client.push(init, encode_fragment([torch.zeros(s) for s in SHAPES], "fp32"))
+                client.push(init, encode_fragment([torch.zeros(s) for s in self.shapes], "fp32"))
             self.joined.set()
             version, wait_for = -1, 0
             while not self.stop.is_set():
@@ -101,6 +117,9 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=120.0)
     parser.add_argument("--quick", action="store_true", help="45 s")
     parser.add_argument(
+        "--model-mib", type=int, default=4, help="fp32 model size in MiB (default 4)"
+    )
+    parser.add_argument(
         "--server-env",
         nargs="*",
         default=[],
@@ -109,6 +128,9 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
     args = parser.parse_args()
+    if args.model_mib < 1:
+        parser.error(f"--model-mib must be >= 1, got {args.model_mib}")
+    shapes = model_shapes(args.model_mib)
     if args.quick:
         args.duration_s = 45.0
     workdir = Path(tempfile.mkdtemp(prefix="diloco-load-"))
@@ -131,9 +153,9 @@ def main() -> int:
         # The fixed overhead (interpreter, torch, gRPC): RSS once serving, before any push.
         startup_mb = rss_mb(server.pid)
         torch.manual_seed(0)
-        payload = encode_fragment([torch.randn(s) * 1e-3 for s in SHAPES], "fp4_e2m1")
+        payload = encode_fragment([torch.randn(s) * 1e-3 for s in shapes], "fp4_e2m1")
         stop = threading.Event()
-        learners = [Learner(i, port, payload, stop) for i in range(args.learners)]
+        learners = [Learner(i, port, shapes, payload, stop) for i in range(args.learners)]
         started = time.perf_counter()
         learners[0].start()
         if not learners[0].joined.wait(60):
@@ -155,10 +177,11 @@ def main() -> int:
     errors: Counter[str] = Counter()
     for learner in learners:
         errors.update(learner.errors)
-    model_mb = sum(a * b for a, b in SHAPES) * 4 / 2**20
+    model_mb = sum(a * b for a, b in shapes) * 4 / 2**20
     peak = max(mb for _, mb in samples)
     report = {
         "learners": args.learners,
+        "model_mib": args.model_mib,
         "server_env": args.server_env,
         "duration_s": elapsed,
         "pushes": len(latencies),
