@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -83,14 +82,22 @@ def child(mode: str, server: str, steps: int, steps_per_outer: int) -> dict:
     else:
         learner.config.max_outer_steps = steps // steps_per_outer
         learner.run(threading.Event())
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
         "steps": inner.calls,
         "per_step_s": (inner.wall_s + sync.wall_s) / inner.calls,
         "per_step_cpu_s": (inner.cpu_s + sync.cpu_s) / inner.calls,
         "sync_cpu_s_per_step": sync.cpu_s / inner.calls,
-        "peak_rss_mb": peak_kb / 1024,
+        "peak_rss_mb": peak_rss_mb(),
     }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS. Not ru_maxrss: Linux carries that across fork and exec, so a
+    child started by a large parent reports the parent's peak; VmHWM belongs to this image."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def gil_stalls(server: str, fragment_mib: int, pushes: int) -> dict:
