@@ -5,17 +5,10 @@ import torch
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from tests.fakes import FakeClock
 
 SHAPES = [(3, 4), (5,)]
 FINGERPRINT = [ParamSpec(f"p{i}", s, "float32") for i, s in enumerate(SHAPES)]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def tensors(seed: int) -> list[torch.Tensor]:

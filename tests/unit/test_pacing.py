@@ -9,16 +9,9 @@ from learner.session import SyncSession
 from learner.trainer import Progress
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
 from server.policy import estimated_schedule_step, median_step_time_s
+from tests.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_median_step_time_ignores_missing_reports() -> None:

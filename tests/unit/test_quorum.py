@@ -7,16 +7,9 @@ from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s, staleness_discount
+from tests.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(n: int, **config):

@@ -8,18 +8,11 @@ import pytest
 from common.retry import call_with_retry, retry_after_s
 from common.rpc import RETRY_AFTER_HEADER
 from server.ratelimit import TokenBuckets
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import FakeClock
 
 
 def test_burst_then_steady_rate() -> None:
-    clock = Clock()
+    clock = FakeClock()
     buckets = TokenBuckets(rate_per_s=2.0, burst=3, clock=clock)
     assert [buckets.take("a") for _ in range(3)] == [0.0, 0.0, 0.0]
     assert buckets.take("a") == pytest.approx(0.5)  # empty: the next token in 1/2 s
@@ -32,7 +25,7 @@ def test_burst_then_steady_rate() -> None:
 
 
 def test_caller_table_is_bounded() -> None:
-    clock = Clock()
+    clock = FakeClock()
     buckets = TokenBuckets(rate_per_s=1.0, burst=1, clock=clock, max_keys=3)
     for key in "abcd":
         buckets.take(key)
