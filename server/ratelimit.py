@@ -43,9 +43,7 @@ class TokenBuckets:
         self.rate_per_s, self.burst, self.clock, self.max_keys = rate_per_s, burst, clock, max_keys
         self._lock = threading.Lock()
         # key -> (tokens, time of the last refill); least recently used first
-        self._buckets: collections.OrderedDict[str, tuple[float, float]] = (
-            collections.OrderedDict()
-        )
+        self._buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
 
     def take(self, key: str) -> float:
         now = self.clock()
