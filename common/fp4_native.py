@@ -86,6 +86,14 @@ class Kernel:
         self, packed: torch.Tensor, scales: torch.Tensor, numel: int, grid: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
         """(values, status): status -1 for a NaN scale byte, else the count of infinities."""
+        # The C code trusts the lengths: a short tensor would be read past its end.
+        if packed.dtype != torch.uint8 or scales.dtype != torch.uint8:
+            raise ValueError("dequantize needs uint8 packed codes and scale bytes")
+        if packed.numel() < (numel + 1) // 2 or scales.numel() < (numel + 31) // 32:
+            raise ValueError(
+                f"{numel} values need {(numel + 1) // 2} packed and {(numel + 31) // 32} scale "
+                f"bytes, got {packed.numel()} and {scales.numel()}"
+            )
         out = torch.empty(numel, dtype=torch.float32)
         status = self._lib.fp4_dequantize(
             packed.data_ptr(), scales.data_ptr(), numel, grid.data_ptr(), out.data_ptr()

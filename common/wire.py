@@ -62,24 +62,25 @@ def chunks(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
 def join_chunks(pieces: Iterable[bytes], announced_bytes: int, limit_bytes: int) -> bytearray:
     """Reassemble chunks, refusing anything larger than announced or than the limit.
 
-    The buffer is allocated once at the announced size (bounded by the limit) and returned as
-    is: growing it and copying it to bytes at the end cost two more copies of every payload.
+    Memory follows the bytes that have arrived, not the size a sender announces: a sender
+    that announces the largest payload and then trickles (or sends nothing) holds only what
+    it sent. The one copy is the final join.
     """
     if announced_bytes > limit_bytes:
         raise ResourceExhausted(
             f"announced payload of {announced_bytes} bytes exceeds the limit of {limit_bytes}"
         )
-    buffer, filled = bytearray(max(announced_bytes, 0)), 0
+    received, filled = [], 0
     for piece in pieces:
         if filled + len(piece) > announced_bytes:
             raise InvalidArgument(f"payload is longer than the announced {announced_bytes} bytes")
-        buffer[filled : filled + len(piece)] = piece
+        received.append(piece)
         filled += len(piece)
     if filled != announced_bytes:
         raise InvalidArgument(
             f"payload ended after {filled} of the announced {announced_bytes} bytes"
         )
-    return buffer
+    return bytearray().join(received)
 
 
 def params_crc32(tensors: Sequence[torch.Tensor]) -> int:

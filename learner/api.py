@@ -121,8 +121,12 @@ class DilocoSync:
         p.tokens += self.tokens_per_step if tokens is None else tokens
         p.last_loss = loss
         p.compute_s += now - self._last_step_s  # the step time the server adapts its grace to
+        before = self.session.step
         changed = self.session.after_inner_step()
-        if self.session.step % self.config.sync_every_steps == 0:
+        # An outer step each time the schedule passes a multiple of H (as in the trainer: it
+        # may advance several steps at once, with dynamic local updates or after a rejoin).
+        h = self.config.sync_every_steps
+        if self.session.step // h > before // h:
             p.outer_steps += 1
         self._last_step_s = time.perf_counter()
         return changed

@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.retry import RETRYABLE, Backoff
+from common.retry import Backoff, is_retryable, retry_after_s
 from common.rpc import LEARNER_ID_HEADER
 from common.tls import channel_credentials
 from common.wire import encode_fragment, params_crc32
@@ -208,9 +208,9 @@ class SyncSession:
         try:
             self._join()
         except grpc.RpcError as err:
-            if err.code() not in RETRYABLE:
+            if not is_retryable(err):  # the server is away, or asks us to come back later
                 raise
-            delay = self._rejoin_backoff.next_delay_s()
+            delay = max(self._rejoin_backoff.next_delay_s(), retry_after_s(err) or 0.0)
             self._next_rejoin_s = time.monotonic() + delay
             log.warning(
                 "learner=%s server unreachable (%s); training on, next try in %.1f s",

@@ -5,10 +5,14 @@
 
 Each caller (the `x-diloco-learner-id` it sends; verified when authentication is on, because
 the auth interceptor runs first and refuses unauthenticated calls before they get here) has a
-token bucket: `burst` calls at once, refilled at `calls_per_s`. A call over the limit is
-refused with RESOURCE_EXHAUSTED before its request is read, and carries the trailing metadata
-`x-diloco-retry-after-ms`, which our learners treat as "retry later" (common/retry.py); a
-refusal for size (also RESOURCE_EXHAUSTED) has no such key and is final. Health checks are
+token bucket. Without authentication the id is only the client's claim: the limit then stops
+a runaway or misconfigured learner, not an attacker, who could send a new id with every call
+(run with auth_token_file wherever the network is not trusted). Callers that send no id
+(tools such as grpcurl) share one bucket. A bucket holds `burst` calls at once, refilled at
+`calls_per_s`. A call over the limit is refused with RESOURCE_EXHAUSTED before its request is
+read, and carries the trailing metadata `x-diloco-retry-after-ms`, which our learners treat
+as "retry later" (common/retry.py; a rejoin waits that long too); a refusal for size (also
+RESOURCE_EXHAUSTED) has no such key and is final. Health checks are
 not limited. The table of buckets is bounded, so made-up learner ids cannot grow it.
 """
 

@@ -63,7 +63,7 @@ def limit_malloc_arenas(arenas: int = DEFAULT_ARENAS) -> bool:
     if mallopt(M_ARENA_MAX, arenas) != 1:
         log.warning("malloc: mallopt(M_ARENA_MAX, %d) failed; arena limit not set", arenas)
         return False
-    log.info("malloc: at most %d glibc arenas (bounded server memory, server/memory.py)", arenas)
+    log.info("malloc: at most %d glibc arenas (bounded server memory, server/runtime.py)", arenas)
     return True
 
 

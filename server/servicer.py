@@ -18,7 +18,7 @@ from common.errors import DilocoError, InvalidArgument, PermissionDenied
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.traffic import NO_FRAGMENT, Traffic
-from common.wire import CHUNK_BYTES, chunks, decode_fragment, join_chunks, max_fragment_bytes
+from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
 from server.aggregator import Aggregator, ParamSpec
 from server.auth import authenticated_learner
 from server.ingest import IngestSlots
@@ -116,11 +116,13 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
         limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
         pieces = (self._chunk_of(msg, fid) for msg in request_iterator)
-        # A slot bounds how many payloads are buffered and decoded at once, so memory does not
-        # grow with the number of learners; a push is added to the round's sum straight from
-        # its wire encoding, without a float32 copy of its own (server/ingest.py).
+        # Received before a slot is taken: a learner on a slow link (or one that trickles on
+        # purpose) must not hold up the others' pushes while its bytes arrive.
+        payload = join_chunks(pieces, header.payload_bytes, limit)
+        # A slot bounds how many payloads are decoded and added at once; a push is added to
+        # the round's sum straight from its wire encoding, without a float32 copy of its own
+        # (server/ingest.py).
         with self._ingest.take() as slot:
-            payload = join_chunks(pieces, header.payload_bytes, limit)
             if initial:
                 version = agg.initialize(header.session_id, fid, decode_fragment(payload, shapes))
             else:
@@ -201,7 +203,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def _stream(
         self, header: pb.PullHeader, parts: tuple[bytes, ...]
     ) -> Iterator[pb.PullParamsResponse]:
-        """The header, then the payload's parts in chunks of at most CHUNK_BYTES. The parts
+        """The header, then the payload's parts in chunks of at most PULL_CHUNK_BYTES. The parts
         are shared between pulls (server/fragment.py) and never joined here: a stream holds
         one chunk at a time, whatever the model's size. Consecutive small parts (a chain's
         framing) go together in one message; the learner joins the chunks in order."""
@@ -214,7 +216,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             yield msg
 
 
-def _pieces(parts: tuple[bytes, ...], size: int = CHUNK_BYTES) -> Iterator[bytes]:
+def _pieces(parts: tuple[bytes, ...], size: int) -> Iterator[bytes]:
     """The parts' bytes, in order, in pieces of at most `size`: a part of at least
     SMALL_PART_BYTES is cut by itself (a part that fits is sent as is, uncopied); smaller
     ones are joined with their small neighbours."""

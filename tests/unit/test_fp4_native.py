@@ -103,3 +103,14 @@ def test_native_without_a_compiler_is_an_error(use, monkeypatch, tmp_path) -> No
     monkeypatch.setattr(fp4_native, "_loaded", {})
     with pytest.raises(RuntimeError, match="no C compiler"):
         fp4_native.load()
+
+
+def test_short_buffers_are_refused_not_read_past(use) -> None:
+    use("native")
+    with pytest.raises(ValueError, match="packed and 2 scale"):
+        fp4_native.load().dequantize(
+            torch.zeros(16, dtype=torch.uint8),
+            torch.zeros(1, dtype=torch.uint8),
+            64,
+            FP4_GRIDS[pb.CODEC_FP4_E2M1],
+        )
