@@ -227,10 +227,20 @@ class Learner:
     def _restore(self, directory: Path) -> None:
         """Resume from the checkpoint in `directory`, if there is one; rank 0 reads it and
         hands the other ranks the optimizer state and data position."""
-        state = load_checkpoint(directory) if self.island.is_leader else None
-        if state is not None:
-            spec = [(s.name, list(s.shape), s.dtype) for s in self.fingerprint]
-            check_compatible(state, directory, self.config.learner_id, spec)
+        state, error = None, None
+        if self.island.is_leader:
+            try:
+                state = load_checkpoint(directory)
+                if state is not None:
+                    spec = [(s.name, list(s.shape), s.dtype) for s in self.fingerprint]
+                    check_compatible(state, directory, self.config.learner_id, spec)
+            except ValueError as err:
+                error = str(err)
+        # Every rank learns the outcome, so a bad checkpoint ends all of them with the same
+        # one-line error instead of leaving the others waiting in the broadcast below.
+        error = self.island.broadcast_object(error)
+        if error is not None:
+            raise ValueError(error)
         keys = ("optimizer", "data", "progress")
         shared = self.island.broadcast_object(state and {k: state[k] for k in keys})
         if shared is None:
