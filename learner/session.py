@@ -120,10 +120,32 @@ class SyncSession:
         self._heartbeat_stop = threading.Event()
 
     def open(self, stop: threading.Event) -> None:
-        """Connect, join (pulling the global parameters) and start heartbeats."""
+        """Connect, join (pulling the global parameters) and start heartbeats.
+
+        A join cut short by the server going away (a restart, a network cut: UNAVAILABLE)
+        is tried again with backoff for up to connect_timeout_s, as later rejoins are; there
+        is nothing to train on before the first one succeeds.
+        """
         self.transport.stop_requested = stop
+        deadline = time.monotonic() + self.config.connect_timeout_s
         self.client.wait_ready(self.config.connect_timeout_s)
-        self._join(self.resume)
+        backoff = Backoff()
+        while True:
+            try:
+                self._join(self.resume)
+                break
+            except grpc.RpcError as err:
+                if not is_retryable(err) or time.monotonic() >= deadline:
+                    raise
+                delay = max(backoff.next_delay_s(), retry_after_s(err) or 0.0)
+                log.warning(
+                    "learner=%s join failed (%s); trying again in %.1f s",
+                    self.config.learner_id,
+                    err.code().name,
+                    delay,
+                )
+                if stop.wait(delay):
+                    raise  # asked to stop while the server is away: end with its error
         threading.Thread(target=self._heartbeat, daemon=True).start()
 
     def after_inner_step(self) -> bool:
