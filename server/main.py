@@ -42,7 +42,11 @@ def main() -> None:
         signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service))
     service.start()
     try:
-        stop.wait()
+        # Wake up now and then: Python runs signal handlers in the main thread, and a signal
+        # the kernel hands to another thread (gRPC's, the trimmer) does not interrupt a wait
+        # without a timeout, so a SIGHUP could otherwise sit unhandled (seen in CI).
+        while not stop.wait(0.2):
+            pass
     finally:
         service.stop()
 
