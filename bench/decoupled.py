@@ -45,6 +45,31 @@ FRAGMENTS = 2
 SLOW, KILLED, WATCHED = 3, 2, 0
 PACE = 3  # every step takes 3x its compute time (the slow learner's 6x): see the docstring
 _EVAL = re.compile(r"eval_loss=([\d.]+)")
+_PUSHED = re.compile(r"pushed fragment=(\d+) base=(\d+)")
+_CLOSED = re.compile(r"fragment=(\d+) version=(\d+) contributors=(\d+)")
+
+
+def round_stats(server_log: Path) -> dict:
+    """How full the rounds were and how stale the pushes: the cost of drifting out of phase.
+
+    Staleness of a push = versions its fragment had moved past the push's base when it
+    arrived (the server discounts such a contribution by 1/(1 + staleness))."""
+    version: dict[int, int] = {}
+    contributors, staleness = [], []
+    for line in server_log.read_text().splitlines():
+        if match := _CLOSED.search(line):
+            version[int(match.group(1))] = int(match.group(2))
+            contributors.append(int(match.group(3)))
+        elif match := _PUSHED.search(line):
+            fragment, base = int(match.group(1)), int(match.group(2))
+            staleness.append(version.get(fragment, 0) - base)
+    return {
+        "rounds": len(contributors),
+        "mean_contributors": sum(contributors) / max(1, len(contributors)),
+        "pushes": len(staleness),
+        "mean_staleness": sum(staleness) / max(1, len(staleness)),
+        "mean_discount": sum(1 / (1 + s) for s in staleness) / max(1, len(staleness)),
+    }
 
 
 def run_mode(
@@ -86,6 +111,7 @@ def run_mode(
         "useful_tokens": round_tokens // FRAGMENTS,
         "capacity_tokens": int(capacity),
         "goodput": round_tokens / FRAGMENTS / capacity,
+        "round_stats": round_stats(workdir / "server.log"),
     }
 
 
@@ -165,11 +191,16 @@ def main() -> int:
         "goodput_sync": results["sync"]["goodput"],
         "modes": results,
     }
-    print(f"\n{'mode':<8} {'final loss':>10} {'t->target s':>12} {'goodput':>8} {'kills':>6}")
+    print(
+        f"\n{'mode':<8} {'final loss':>10} {'t->target s':>12} {'goodput':>8} {'kills':>6} "
+        f"{'rounds':>7} {'per round':>9} {'staleness':>9}"
+    )
     for mode, r in results.items():
+        rs = r["round_stats"]
         print(
             f"{mode:<8} {finals[mode]:>10.4f} {times[mode]:>12.1f} {r['goodput']:>8.3f} "
-            f"{r['kills']:>6}"
+            f"{r['kills']:>6} {rs['rounds']:>7} {rs['mean_contributors']:>9.2f} "
+            f"{rs['mean_staleness']:>9.2f}"
         )
     print(f"target {target:.4f}; speedup quorum vs sync {report['speedup_quorum_vs_sync']:.2f}x")
     checks = {

@@ -41,6 +41,10 @@ from learner.transport import GrpcTransport
 
 log = logging.getLogger("diloco.learner")
 
+# The server moves the others' reports (up to a heartbeat old) on at their compute speed,
+# which runs a step or so ahead of their real one: a smaller error is noise, not drift.
+PHASE_DEADBAND = 2
+
 
 @dataclass
 class Progress:
@@ -118,6 +122,8 @@ class SyncSession:
         self._rejoin_backoff = Backoff()
         self._next_rejoin_s = 0.0
         self._heartbeat_stop = threading.Event()
+        self._phase_lock = threading.Lock()
+        self._phase_debt = 0  # schedule steps to gain (> 0) or give back (< 0): phase alignment
 
     def open(self, stop: threading.Event) -> None:
         """Connect, join (pulling the global parameters) and start heartbeats.
@@ -159,10 +165,13 @@ class SyncSession:
             return self._try_rejoin()  # keeps training while the server is away
         assert self.sync is not None
         try:
+            advance = max(0, self.pace() + self._phase_correction())
             changed = False
-            for _ in range(self.pace()):
+            for _ in range(advance):
                 self.step += 1
                 self.sync.push_phase(self.step, self.progress.inner_steps)
+                changed |= bool(self.sync.merge_phase(self.step))
+            if advance == 0:  # an extra inner step before the next push; merge what arrived
                 changed |= bool(self.sync.merge_phase(self.step))
             return changed
         except grpc.RpcError as err:
@@ -183,6 +192,35 @@ class SyncSession:
         if self.median_step_time_s <= 0 or mine <= 0:
             return 1
         return max(1, min(self.config.sync_every_steps, round(mine / self.median_step_time_s)))
+
+    def _phase_correction(self) -> int:
+        """+1 (one schedule step more) while this learner's schedule is behind the live
+        learners', -1 while ahead, else 0: with dynamic local updates (quorum, async).
+
+        Learners that never wait drift apart in phase (evaluations, restarts, uneven speed).
+        Then each push of a fragment lands in a round of its own, and most contributions are
+        stale by the time they arrive, which the server discounts. Steering each learner's
+        schedule step, one step at a time, towards the median the server reports keeps the
+        pushes of a fragment together, so rounds gather everyone who is on time. A learner
+        behind pushes a little sooner; one ahead trains a step more first: nobody waits.
+        """
+        if not self.config.dynamic_local_updates or self.blocking:
+            return 0
+        with self._phase_lock:
+            if self._phase_debt > 0:
+                self._phase_debt -= 1
+                return 1
+            if self._phase_debt < 0:
+                self._phase_debt += 1
+                return -1
+            return 0
+
+    def _set_phase_error(self, cluster_step: int, my_step: int) -> None:
+        """Record how far the live learners' schedule (from a heartbeat) is from this
+        learner's when it asked; within PHASE_DEADBAND steps counts as in phase."""
+        error = cluster_step - my_step if cluster_step > 0 and my_step > 0 else 0
+        with self._phase_lock:
+            self._phase_debt = error if abs(error) >= PHASE_DEADBAND else 0
 
     def drain(self) -> None:
         """Merge the syncs still in flight after the last step, then take the global values.
@@ -365,6 +403,7 @@ class SyncSession:
                     continue  # a rejoin happened meanwhile; this answer is about the old one
                 self.server_versions = list(reply.fragment_versions)
                 self.median_step_time_s = reply.median_step_time_s
+                self._set_phase_error(reply.schedule_step, request.schedule_step)
                 if reply.server_epoch != self.server_epoch:
                     log.warning(
                         "learner=%s server restarted (new epoch); will re-sync",

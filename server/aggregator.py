@@ -170,6 +170,11 @@ class Aggregator:
         with self._cond:
             return median_step_time_s(s.step_time_s for s in self._sessions.values())
 
+    def schedule_estimate(self) -> int:
+        """Where the live learners' schedule is now (server/policy.py); 0: none reported."""
+        with self._cond:
+            return self._schedule_estimate()
+
     def _schedule_estimate(self) -> int:
         sessions = self._sessions.values()
         return estimated_schedule_step(

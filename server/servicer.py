@@ -179,6 +179,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             fragment_versions=versions,
             live_learners=live,
             median_step_time_s=self.aggregator.median_step_time_s(),
+            schedule_step=self.aggregator.schedule_estimate(),
         )
         self.traffic.count(received=request.ByteSize(), sent=response.ByteSize())
         return response

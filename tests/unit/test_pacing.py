@@ -69,3 +69,84 @@ def test_pace(dynamic, mine, median, blocking, pace) -> None:
         assert s.pace() == pace
     finally:
         s.client.close()
+
+
+def test_the_server_reports_where_the_schedule_is() -> None:
+    clock = FakeClock()
+    agg = Aggregator(AggregatorConfig(mode="quorum", pull_codec="fp32"), clock=clock)
+    a, b = agg.join("a", SPECS).session_id, agg.join("b", SPECS).session_id
+    assert agg.schedule_estimate() == 0  # nobody reported
+    clock.now = 1.0
+    agg.heartbeat(a, step_time_s=0.5, schedule_step=100)
+    agg.heartbeat(b, step_time_s=0.5, schedule_step=110)
+    clock.now = 2.0
+    assert agg.schedule_estimate() == 107  # median of 102 and 112
+
+
+class RecordingSync:
+    """Stands in for StreamingSync: records which schedule steps the session walks."""
+
+    def __init__(self) -> None:
+        self.pushed: list[int] = []
+        self.merged: list[int] = []
+
+    def push_phase(self, step: int, inner_step: int | None = None) -> None:
+        self.pushed.append(step)
+
+    def merge_phase(self, step: int) -> list[int]:
+        self.merged.append(step)
+        return []
+
+
+def steered(dynamic: bool = True, blocking: bool = False) -> SyncSession:
+    s = session(dynamic, 0.3, 0.3, blocking)
+    s.sync = RecordingSync()
+    s.step = 100
+    return s
+
+
+def test_a_learner_behind_the_others_catches_up_one_step_at_a_time() -> None:
+    s = steered()
+    try:
+        s._set_phase_error(cluster_step=103, my_step=100)
+        for _ in range(5):
+            s.after_inner_step()
+        # Three inner steps advance the schedule by two (pushing sooner), then by one again.
+        assert s.step == 100 + 3 * 2 + 2
+        assert s.sync.pushed == list(range(101, 109))
+    finally:
+        s.client.close()
+
+
+def test_a_learner_ahead_trains_extra_steps_without_pushing_or_waiting() -> None:
+    s = steered()
+    try:
+        s._set_phase_error(cluster_step=97, my_step=100)
+        for _ in range(4):
+            s.after_inner_step()
+        assert s.step == 101  # three inner steps gave a schedule step back, the fourth advanced
+        assert s.sync.pushed == [101]
+        assert s.sync.merged == [100, 100, 100, 101]  # arrivals still merge while it holds
+    finally:
+        s.client.close()
+
+
+@pytest.mark.parametrize(
+    ("dynamic", "blocking", "cluster", "mine"),
+    [
+        (True, False, 101, 100),  # within the deadband: noise, not drift
+        (True, False, 99, 100),
+        (True, False, 0, 100),  # the server has no reports
+        (True, True, 130, 100),  # sync mode: rounds wait for everyone anyway
+        (False, False, 130, 100),  # dynamic local updates off
+    ],
+)
+def test_no_steering(dynamic, blocking, cluster, mine) -> None:
+    s = steered(dynamic, blocking)
+    try:
+        s._set_phase_error(cluster_step=cluster, my_step=mine)
+        for _ in range(3):
+            s.after_inner_step()
+        assert s.step == 103
+    finally:
+        s.client.close()

@@ -205,16 +205,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step: _Optional[int] = ..., tokens: _Optional[int] = ..., step_time_s: _Optional[float] = ..., loss: _Optional[float] = ..., schedule_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("server_epoch", "fragment_versions", "live_learners", "median_step_time_s")
+    __slots__ = ("server_epoch", "fragment_versions", "live_learners", "median_step_time_s", "schedule_step")
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     LIVE_LEARNERS_FIELD_NUMBER: _ClassVar[int]
     MEDIAN_STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_STEP_FIELD_NUMBER: _ClassVar[int]
     server_epoch: int
     fragment_versions: _containers.RepeatedScalarFieldContainer[int]
     live_learners: int
     median_step_time_s: float
-    def __init__(self, server_epoch: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., live_learners: _Optional[int] = ..., median_step_time_s: _Optional[float] = ...) -> None: ...
+    schedule_step: int
+    def __init__(self, server_epoch: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., live_learners: _Optional[int] = ..., median_step_time_s: _Optional[float] = ..., schedule_step: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("session_id",)
