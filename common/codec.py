@@ -33,11 +33,11 @@ The result is bit-identical on every device (bench/cuda_check.py checks it on a 
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 
 from common import fp4_native
+from common.checksum import crc32
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
@@ -118,7 +118,7 @@ def encode(
         shape=list(tensor.shape),
         payload=payload,
         scales=scales,
-        crc32=zlib.crc32(scales, zlib.crc32(payload)),
+        crc32=crc32(scales, crc32(payload)),
     )
 
 
@@ -148,7 +148,7 @@ def decode(
             f"{CODEC_NAMES.get(msg.codec)} tensor of shape {shape} needs {payload_len} payload "
             f"and {scales_len} scale bytes, got {len(msg.payload)} and {len(msg.scales)}"
         )
-    if zlib.crc32(msg.scales, zlib.crc32(msg.payload)) != msg.crc32:
+    if crc32(msg.scales, crc32(msg.payload)) != msg.crc32:
         raise InvalidArgument("tensor checksum mismatch")
     if numel == 0:
         return torch.zeros(shape, dtype=torch.float32, device=device)

@@ -7,12 +7,12 @@ checks the announced size against the most the fragment can take before it buffe
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from google.protobuf.message import DecodeError
 
+from common.checksum import crc32
 from common.codec import decode, encode, encoded_sizes
 from common.errors import InvalidArgument, ResourceExhausted
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -88,7 +88,7 @@ def params_crc32(tensors: Sequence[torch.Tensor]) -> int:
     crc = 0
     for t in tensors:
         # crc32 reads the array's buffer in place: no bytes copy of the parameters.
-        crc = zlib.crc32(t.detach().to("cpu", torch.float32).contiguous().numpy(), crc)
+        crc = crc32(t.detach().to("cpu", torch.float32).contiguous().numpy(), crc)
     return crc
 
 

@@ -21,11 +21,12 @@ import io
 import logging
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from common.checksum import crc32
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class StateStore:
         payload = buffer.getvalue()
         if self._log is None:
             self._log = open(self.log_path, "ab")
-        self._log.write(_HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload)) + payload)
+        self._log.write(_HEADER.pack(_MAGIC, len(payload), crc32(payload)) + payload)
         self._log.flush()
         os.fsync(self._log.fileno())
 
@@ -115,7 +116,7 @@ def _read_records(data: bytes) -> tuple[list[LogRecord], int]:
     while offset + _HEADER.size <= len(data):
         magic, length, crc = _HEADER.unpack_from(data, offset)
         start, end = offset + _HEADER.size, offset + _HEADER.size + length
-        if magic != _MAGIC or end > len(data) or zlib.crc32(data[start:end]) != crc:
+        if magic != _MAGIC or end > len(data) or crc32(data[start:end]) != crc:
             break
         try:
             fields = torch.load(io.BytesIO(data[start:end]), weights_only=True)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -50,6 +49,7 @@ import torch
 from google.protobuf.message import DecodeError
 
 from common import fp4_native
+from common.checksum import crc32
 from common.codec import (
     CODEC_NAMES,
     E8M0_NAN,
@@ -227,7 +227,7 @@ def _check_tensor(msg: pb.EncodedTensor, expected: tuple[int, ...]) -> _Tensor:
             f"{CODEC_NAMES.get(msg.codec)} tensor of shape {shape} needs {payload_len} payload "
             f"and {scales_len} scale bytes, got {len(payload)} and {len(scales)}"
         )
-    if zlib.crc32(scales, zlib.crc32(payload)) != msg.crc32:
+    if crc32(scales, crc32(payload)) != msg.crc32:
         raise InvalidArgument("tensor checksum mismatch")
     return _Tensor(msg.codec, shape, numel, payload, scales)
 

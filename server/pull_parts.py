@@ -17,11 +17,11 @@ byte-equal to protobuf's own serialization.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from common.checksum import crc32
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 _LENGTH_DELIMITED = 2
@@ -41,7 +41,7 @@ def snapshot_parts(params: Sequence[torch.Tensor]) -> tuple[bytes, ...]:
         head = pb.EncodedTensor(codec=pb.CODEC_FP32, shape=list(t.shape)).SerializeToString()
         if payload:
             head += _field_header(3, len(payload))
-        tail = pb.EncodedTensor(crc32=zlib.crc32(b"", zlib.crc32(payload))).SerializeToString()
+        tail = pb.EncodedTensor(crc32=crc32(b"", crc32(payload))).SerializeToString()
         size = len(head) + len(payload) + len(tail)
         parts += (_field_header(1, size) + head, payload, tail)
     return tuple(part for part in parts if part)
