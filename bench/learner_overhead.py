@@ -8,7 +8,8 @@
    learner loop against a real server process on loopback (Streaming DiLoCo, fp4 pushes and
    pulls, background sync thread). Time per inner step excludes evaluation (the plain loop
    has none) and is compared as diloco / plain − 1, alternating the two runs to cancel drift.
-   Peak RSS of each process is reported too.
+   Peak RSS of each process is reported too. The figure is the median over alternating
+   pairs of each pair's ratio; the training thread's own sync CPU per step is reported too.
 2. GIL stalls. While a background thread encodes a large fragment (fp4, C kernel) and pushes
    it over gRPC to the server, the main thread ticks in pure Python; the longest gap between
    ticks is the longest the training thread could have been held up. The baseline is the
@@ -190,7 +191,9 @@ def run_child(mode: str, server: str, steps: int, steps_per_outer: int) -> dict:
 
 def measure(quick: bool = False) -> dict:
     """Both figures, with a server process started and stopped here."""
-    steps, rounds = (60, 2) if quick else (150, 3)
+    # Runs of the same loop differ by about +-3% here, so the full version alternates six
+    # pairs and takes the median of the pairs' ratios, which drift between pairs cancels.
+    steps, rounds = (60, 2) if quick else (150, 6)
     steps_per_outer = 30
     runs: dict[str, list[dict]] = {"plain": [], "diloco": []}
     with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
@@ -210,15 +213,26 @@ def measure(quick: bool = False) -> dict:
             server.wait(timeout=30)
     plain = statistics.median(r["per_step_s"] for r in runs["plain"])
     diloco = statistics.median(r["per_step_s"] for r in runs["diloco"])
-    plain_cpu = statistics.median(r["per_step_cpu_s"] for r in runs["plain"])
-    diloco_cpu = statistics.median(r["per_step_cpu_s"] for r in runs["diloco"])
+    pairs = [
+        d["per_step_s"] / p["per_step_s"] - 1
+        for p, d in zip(runs["plain"], runs["diloco"], strict=True)
+    ]
+    cpu_pairs = [
+        d["per_step_cpu_s"] / p["per_step_cpu_s"] - 1
+        for p, d in zip(runs["plain"], runs["diloco"], strict=True)
+    ]
     return {
         "steps": steps,
         "sync_every_steps": steps_per_outer,
         "plain_step_s": plain,
         "diloco_step_s": diloco,
-        "learner_step_overhead": diloco / plain - 1,
-        "learner_step_cpu_overhead": diloco_cpu / plain_cpu - 1,
+        "learner_step_overhead": statistics.median(pairs),
+        "learner_step_overhead_pairs": pairs,
+        "learner_step_cpu_overhead": statistics.median(cpu_pairs),
+        # The training thread's own CPU for the sync work after each step (pushes started,
+        # replies merged), as a share of a plain step: the machinery's direct cost.
+        "sync_share_of_step": statistics.median(r["sync_cpu_s_per_step"] for r in runs["diloco"])
+        / statistics.median(r["per_step_cpu_s"] for r in runs["plain"]),
         "plain_peak_rss_mb": max(r["peak_rss_mb"] for r in runs["plain"]),
         "diloco_peak_rss_mb": max(r["peak_rss_mb"] for r in runs["diloco"]),
         "runs": runs,
@@ -245,7 +259,10 @@ def main() -> None:
         f"inner step: plain {result['plain_step_s'] * 1e3:.1f} ms, with DiLoCo "
         f"{result['diloco_step_s'] * 1e3:.1f} ms -> "
         f"overhead {result['learner_step_overhead']:+.2%} "
-        f"(main-thread CPU {result['learner_step_cpu_overhead']:+.2%})"
+        f"(median of {len(result['learner_step_overhead_pairs'])} alternating pairs: "
+        + ", ".join(f"{x:+.1%}" for x in result["learner_step_overhead_pairs"])
+        + f"; main-thread CPU {result['learner_step_cpu_overhead']:+.2%}; the sync work on "
+        f"the training thread {result['sync_share_of_step']:.2%} of a step)"
         f"\npeak RSS: plain {result['plain_peak_rss_mb']:.0f} MB, "
         f"with DiLoCo {result['diloco_peak_rss_mb']:.0f} MB"
         f"\nGIL: longest main-thread gap while pushing a {gil['fragment_mib']} MiB fragment "

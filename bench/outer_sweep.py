@@ -2,9 +2,11 @@
 
     python bench/outer_sweep.py              # 300 steps, 5 variants, ~4 minutes
     python bench/outer_sweep.py --steps 1000
+    python bench/outer_sweep.py --method streaming --pairs 0.7,0.9 1.0,0.8 --steps 1000
 
 Same setup as bench/quality.py (K = 4, the same model and data), plain DiLoCo (one
-fragment, fp32 wire) at H = 10 with several (outer lr, outer momentum) pairs, against
+fragment, fp32 wire) or Streaming DiLoCo (quality.py's variant (d): P = 4, τ = 1, α = 0.5,
+fp4 both ways) at H = 10 with several (outer lr, outer momentum) pairs, against
 data-parallel. Prints each variant's eval loss and gap, writes bench/results/outer_sweep.json.
 """
 
@@ -30,17 +32,35 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--sync-every-steps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--method", choices=["diloco", "streaming"], default="diloco")
+    parser.add_argument(
+        "--pairs",
+        nargs="+",
+        default=[f"{lr},{m}" for lr, m in PAIRS],
+        help="outer lr,momentum pairs",
+    )
+    parser.add_argument("--eval-batches", type=int, default=16)
     args = parser.parse_args()
-    setup = Setup(steps=args.steps, eval_every=100, eval_batches=16)
+    setup = Setup(steps=args.steps, eval_every=100, eval_batches=args.eval_batches)
     h = args.sync_every_steps
+    pairs = [tuple(float(x) for x in pair.split(",")) for pair in args.pairs]
+    streaming = {
+        "fragments": 4,
+        "overlap_steps": 1,
+        "merge_alpha": 0.5,
+        "push_codec": "fp4_e2m1",
+        "pull_codec": "fp4_e2m1",
+    }
+    label = "Streaming fp4+overlap" if args.method == "streaming" else "DiLoCo"
     todo = [Variant(name="data-parallel", kind="dp")] + [
         Variant(
-            name=f"DiLoCo H={h} outer lr {lr} momentum {m}",
+            name=f"{label} H={h} outer lr {lr} momentum {m}",
             sync_every_steps=h,
             outer_lr=lr,
             outer_momentum=m,
+            **(streaming if args.method == "streaming" else {}),
         )
-        for lr, m in PAIRS
+        for lr, m in pairs
     ]
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
@@ -58,9 +78,8 @@ def main() -> int:
         )
         print(f"{v.name:<45} {r.eval_loss:.4f} {100 * (r.eval_loss / dp - 1):+6.2f}%")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "outer_sweep.json").write_text(
-        json.dumps({"setup": asdict(setup), "variants": rows}, indent=1)
-    )
+    name = "outer_sweep.json" if args.method == "diloco" else "outer_sweep_streaming.json"
+    (args.out / name).write_text(json.dumps({"setup": asdict(setup), "variants": rows}, indent=1))
     return 0
 
 

@@ -209,13 +209,19 @@ def main() -> int:
     parser.add_argument(
         "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
     )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=["cosine", "constant"],
+        default="constant",
+        help="inner learning rate over the run, the same for every variant: constant, or "
+        "cosine (5%% linear warm-up, cosine decay to 10%%)",
+    )
     args = parser.parse_args()
     h_values, fragments, tuning_h = [10, 20, 50], 4, 50
-    setup = Setup(device=args.device, n_embd=args.n_embd)
+    common = {"device": args.device, "n_embd": args.n_embd, "lr_schedule": args.lr_schedule}
+    setup = Setup(**common)
     if args.quick:
-        setup = Setup(
-            steps=150, eval_every=50, eval_batches=8, device=args.device, n_embd=args.n_embd
-        )
+        setup = Setup(steps=150, eval_every=50, eval_batches=8, **common)
     todo = variants(h_values, fragments, tuning_h, tune=not args.quick)
     print(f"setup: {asdict(setup)}\nvariants: {len(todo)}, workers: {args.workers}", flush=True)
     started = time.perf_counter()

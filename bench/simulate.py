@@ -11,6 +11,7 @@ that run at the same speed.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -41,6 +42,11 @@ class Setup:
     corpus_max_bytes: int = 4 << 20
     seed: int = 0
     device: str = "cpu"  # where the models train; the aggregator always runs on the CPU
+    # Inner learning rate over the run: "constant", or "cosine" (linear warm-up over
+    # warmup_fraction of the steps, then cosine decay to min_lr_ratio of inner_lr).
+    lr_schedule: str = "constant"
+    warmup_fraction: float = 0.05
+    min_lr_ratio: float = 0.1
 
     def model_config(self) -> GPTConfig:
         return GPTConfig(
@@ -132,33 +138,52 @@ def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
     return sum(losses) / len(losses)
 
 
+def lr_factor(setup: Setup, step: int) -> float:
+    """The inner learning rate at `step` (1-based, counted over the whole run) / inner_lr."""
+    if setup.lr_schedule == "constant":
+        return 1.0
+    if setup.lr_schedule != "cosine":
+        raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {setup.lr_schedule!r}")
+    warmup = max(1, round(setup.warmup_fraction * setup.steps))
+    if step <= warmup:
+        return step / warmup
+    progress = min(1.0, (step - warmup) / max(1, setup.steps - warmup))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return setup.min_lr_ratio + (1 - setup.min_lr_ratio) * cosine
+
+
 def _optimizer(setup: Setup, model: GPT) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=setup.inner_lr, weight_decay=setup.weight_decay)
 
 
-def _step(model: GPT, optimizer: torch.optim.Optimizer, batch) -> None:
+def _step(setup: Setup, step: int, model: GPT, optimizer: torch.optim.Optimizer, batch) -> None:
     device = next(model.parameters()).device
+    for group in optimizer.param_groups:
+        group["lr"] = setup.inner_lr * lr_factor(setup, step)
     _, loss = model(*(t.to(device) for t in batch))
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
 
 
-def _run_data_parallel(setup, variant, model, train, eval_batches) -> Result:
-    """K learners averaging gradients every step == one model on a K-times larger batch."""
+def _run_data_parallel(setup, variant, model, train, eval_batches, steps=None) -> Result:
+    """K learners averaging gradients every step == one model on a K-times larger batch.
+
+    `steps` < setup.steps runs only the start of the schedule (a warm start)."""
+    steps = setup.steps if steps is None else steps
     k = setup.learners
     sampler = BatchSampler(train, setup.batch_size * k, setup.block_size, seed=1000)
     optimizer = _optimizer(setup, model)
     tokens_per_step = setup.batch_size * k * setup.block_size
     curve = [(0, evaluate(model, eval_batches))]
-    for step in range(1, setup.steps + 1):
-        _step(model, optimizer, sampler.next())
-        if step % setup.eval_every == 0 or step == setup.steps:
+    for step in range(1, steps + 1):
+        _step(setup, step, model, optimizer, sampler.next())
+        if step % setup.eval_every == 0 or step == steps:
             curve.append((step * tokens_per_step, evaluate(model, eval_batches)))
     numel = sum(p.numel() for p in model.parameters())
     # Ring all-reduce of fp32 gradients: each learner sends and receives 2(K-1)/K of them.
     per_step = 2 * (2 * (k - 1) / k) * numel * 4
-    return Result(asdict(variant), curve[-1][1], curve, int(per_step * setup.steps), int(per_step))
+    return Result(asdict(variant), curve[-1][1], curve, int(per_step * steps), int(per_step))
 
 
 def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
@@ -167,9 +192,10 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
     warm_cost = Result({}, 0.0)
     if warm_steps:
         # A short data-parallel start, as DiLoCo starts from a partly trained model.
-        warm = Setup(**{**asdict(setup), "steps": warm_steps})
         warm_variant = Variant(name="warm", kind="dp")
-        warm_cost = _run_data_parallel(warm, warm_variant, model, train, eval_batches)
+        warm_cost = _run_data_parallel(
+            setup, warm_variant, model, train, eval_batches, steps=warm_steps
+        )
     specs = [ParamSpec(n, tuple(p.shape), "float32") for n, p in model.named_parameters()]
     aggregator = Aggregator(
         AggregatorConfig(
@@ -178,6 +204,9 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             pull_codec=variant.pull_codec,
             outer_lr=variant.outer_lr,
             outer_momentum=variant.outer_momentum,
+            # The guard compares a push with its fragment's recent pushes; during a learning
+            # rate warm-up each round's pseudo-gradient is legitimately several times the last.
+            max_norm_ratio=0.0,
         )
     )
     sessions = [aggregator.join(f"learner-{i}", specs).session_id for i in range(k)]
@@ -227,7 +256,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
     local_steps = setup.steps - warm
     for t in range(1, local_steps + 1):
         for replica_model, optimizer, sampler, _ in learners:
-            _step(replica_model, optimizer, sampler.next())
+            _step(setup, warm + t, replica_model, optimizer, sampler.next())
         for *_, sync in learners:
             sync.push_phase(t)
         for *_, sync in learners:

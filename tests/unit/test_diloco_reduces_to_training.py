@@ -36,3 +36,17 @@ def test_outer_momentum_changes_the_trajectory() -> None:
     plain = run_variant(TINY, Variant(name="plain", kind="dp"))
     nesterov = run_variant(TINY, Variant(name="nesterov", sync_every_steps=5))
     assert nesterov.eval_loss != pytest.approx(plain.eval_loss, rel=1e-5)
+
+
+def test_inner_learning_rate_schedules() -> None:
+    from bench.simulate import lr_factor
+
+    constant = Setup(steps=100)
+    assert {lr_factor(constant, s) for s in (1, 50, 100)} == {1.0}
+    cosine = Setup(steps=100, lr_schedule="cosine", warmup_fraction=0.1, min_lr_ratio=0.1)
+    assert lr_factor(cosine, 1) == pytest.approx(0.1)  # linear warm-up over 10 steps
+    assert lr_factor(cosine, 10) == pytest.approx(1.0)
+    assert lr_factor(cosine, 55) == pytest.approx(0.55)  # halfway down the cosine
+    assert lr_factor(cosine, 100) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        lr_factor(Setup(lr_schedule="linear"), 1)
