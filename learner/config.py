@@ -33,9 +33,12 @@ class LearnerConfig(GPTConfig):
     dynamic_local_updates: bool = False
     """quorum/async: a learner k times slower than the live learners' median step time
     advances its schedule k steps per inner step, so it syncs after k times fewer steps of
-    its own; and every learner steers its schedule step, one step at a time, towards the
+    its own and its pushes arrive in the same rounds as everyone else's."""
+    align_schedule: bool = True
+    """quorum/async: steer this learner's schedule step, one step at a time, towards the
     live learners' median (from heartbeats), so the pushes of a fragment arrive in the same
-    rounds instead of drifting apart. Nobody waits either way."""
+    rounds instead of drifting apart; a learner behind pushes a step sooner, one ahead
+    trains a step more first. Nobody waits either way."""
     batch_size: int = 16
     """Sequences per inner step."""
     inner_lr: float = 1e-3

@@ -195,7 +195,7 @@ class SyncSession:
 
     def _phase_correction(self) -> int:
         """+1 (one schedule step more) while this learner's schedule is behind the live
-        learners', -1 while ahead, else 0: with dynamic local updates (quorum, async).
+        learners', -1 while ahead, else 0: quorum and async, unless align_schedule is off.
 
         Learners that never wait drift apart in phase (evaluations, restarts, uneven speed).
         Then each push of a fragment lands in a round of its own, and most contributions are
@@ -204,7 +204,7 @@ class SyncSession:
         pushes of a fragment together, so rounds gather everyone who is on time. A learner
         behind pushes a little sooner; one ahead trains a step more first: nobody waits.
         """
-        if not self.config.dynamic_local_updates or self.blocking:
+        if not self.config.align_schedule or self.blocking:
             return 0
         with self._phase_lock:
             if self._phase_debt > 0:

@@ -41,9 +41,15 @@ def test_a_joining_learner_is_told_where_the_others_are() -> None:
     assert agg.median_step_time_s() == pytest.approx(0.25)
 
 
-def session(dynamic: bool, my_step_s: float, median_s: float, blocking: bool = False):
+def session(
+    dynamic: bool, my_step_s: float, median_s: float, blocking: bool = False, align: bool = True
+):
     config = LearnerConfig(
-        learner_id="x", insecure=True, sync_every_steps=8, dynamic_local_updates=dynamic
+        learner_id="x",
+        insecure=True,
+        sync_every_steps=8,
+        dynamic_local_updates=dynamic,
+        align_schedule=align,
     )
     progress = Progress(learner_id="x", inner_steps=10, compute_s=10 * my_step_s)
     s = SyncSession(config, [torch.zeros(1)], [], progress, tokens_per_step=1)
@@ -98,8 +104,8 @@ class RecordingSync:
         return []
 
 
-def steered(dynamic: bool = True, blocking: bool = False) -> SyncSession:
-    s = session(dynamic, 0.3, 0.3, blocking)
+def steered(align: bool = True, blocking: bool = False) -> SyncSession:
+    s = session(False, 0.3, 0.3, blocking, align)
     s.sync = RecordingSync()
     s.step = 100
     return s
@@ -132,17 +138,17 @@ def test_a_learner_ahead_trains_extra_steps_without_pushing_or_waiting() -> None
 
 
 @pytest.mark.parametrize(
-    ("dynamic", "blocking", "cluster", "mine"),
+    ("align", "blocking", "cluster", "mine"),
     [
         (True, False, 101, 100),  # within the deadband: noise, not drift
         (True, False, 99, 100),
         (True, False, 0, 100),  # the server has no reports
         (True, True, 130, 100),  # sync mode: rounds wait for everyone anyway
-        (False, False, 130, 100),  # dynamic local updates off
+        (False, False, 130, 100),  # --no-align-schedule
     ],
 )
-def test_no_steering(dynamic, blocking, cluster, mine) -> None:
-    s = steered(dynamic, blocking)
+def test_no_steering(align, blocking, cluster, mine) -> None:
+    s = steered(align, blocking)
     try:
         s._set_phase_error(cluster_step=cluster, my_step=mine)
         for _ in range(3):
