@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from common.wire import decode_fragment
-from learner.data import BatchSampler, load_text_corpus, stdlib_dir
+from learner.data import BatchSampler, load_corpus
 from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
@@ -110,7 +110,7 @@ class InProcessTransport:
 
 
 def load_data(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
-    return load_text_corpus(stdlib_dir(), setup.corpus_max_bytes)
+    return load_corpus("stdlib", setup.corpus_max_bytes)  # the learners' built-in corpus
 
 
 def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:

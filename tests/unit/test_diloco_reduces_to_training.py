@@ -50,3 +50,17 @@ def test_inner_learning_rate_schedules() -> None:
     assert lr_factor(cosine, 100) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="lr_schedule"):
         lr_factor(Setup(lr_schedule="linear"), 1)
+
+
+def test_benchmarks_train_on_the_learners_built_in_corpus() -> None:
+    """The quality benchmark once read the whole stdlib tree, site-packages and tests
+    included, while learners skip those: its figures then belonged to other data."""
+    import torch
+
+    from bench.simulate import load_data
+    from learner.data import load_corpus
+
+    setup = Setup()  # 4 MiB: enough to reach site-packages/ in the sorted stdlib tree
+    mine = load_data(setup)
+    for ours, theirs in zip(mine, load_corpus("stdlib", setup.corpus_max_bytes), strict=True):
+        assert torch.equal(ours, theirs)
