@@ -134,11 +134,14 @@ class PushBody:
         self.norm = math.sqrt(squares)  # float64 sum of squares, as the NormGuard wants
         self.max_abs = max_abs
 
-    def add_to(self, sums: list[torch.Tensor] | None, scale: float) -> list[torch.Tensor]:
-        """sums += scale·Δ (new sums of scale·Δ when None), the same float32 operations as
-        `clone().mul_(scale)` and `add_(Δ, alpha=scale)` on whole tensors."""
-        first = sums is None
-        if first:
+    def add_to(
+        self, sums: list[torch.Tensor] | None, scale: float, overwrite: bool = False
+    ) -> list[torch.Tensor]:
+        """sums += scale·Δ (sums = scale·Δ with `overwrite`, in new tensors when None), the
+        same float32 operations as `clone().mul_(scale)` and `add_(Δ, alpha=scale)` on whole
+        tensors. `sums` must be contiguous."""
+        first = sums is None or overwrite
+        if sums is None:
             sums = [torch.empty(t.shape, dtype=torch.float32) for t in self._tensors]
         flats = {id(t): s.view(-1) for t, s in zip(self._tensors, sums, strict=True)}
         done = self._add_fp4_natively(flats, scale, first)
@@ -299,12 +302,16 @@ class DenseBody:
                 self.max_abs = largest
         self.norm = math.sqrt(sum(float(t.double().square().sum()) for t in self._tensors))
 
-    def add_to(self, sums: list[torch.Tensor] | None, scale: float) -> list[torch.Tensor]:
-        """sums += scale·Δ (new sums of scale·Δ when None)."""
-        if sums is None:
-            sums = [t.detach().to(torch.float32).clone() for t in self._tensors]
-            if scale != 1.0:
-                for acc in sums:
+    def add_to(
+        self, sums: list[torch.Tensor] | None, scale: float, overwrite: bool = False
+    ) -> list[torch.Tensor]:
+        """sums += scale·Δ (sums = scale·Δ with `overwrite`, in new tensors when None)."""
+        if sums is None or overwrite:
+            if sums is None:
+                sums = [torch.empty(t.shape, dtype=torch.float32) for t in self._tensors]
+            for acc, t in zip(sums, self._tensors, strict=True):
+                acc.copy_(t.detach())
+                if scale != 1.0:
                     acc.mul_(scale)
             return sums
         for acc, t in zip(sums, self._tensors, strict=True):
