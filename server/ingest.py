@@ -241,15 +241,27 @@ class IngestSlot:
     def __init__(self) -> None:
         self._scratch = _Scratch()
 
-    def parse(self, data: bytes | bytearray, shapes: Sequence[tuple[int, ...]]) -> PushBody:
+    def parse(
+        self,
+        data: bytes | bytearray,
+        shapes: Sequence[tuple[int, ...]],
+        release: bool = False,
+    ) -> PushBody:
         """Check a serialized EncodedFragment against the fragment's shapes and read its norm
-        and largest magnitude; raises InvalidArgument like common.wire.decode_fragment."""
+        and largest magnitude; raises InvalidArgument like common.wire.decode_fragment.
+
+        With `release`, a bytearray `data` is emptied once protobuf has parsed (copied) it,
+        before the tensors' bytes are copied out of the message: a push then peaks at two
+        copies of its payload here, not three (the caller's reference would keep it alive)."""
         try:
             msg = pb.EncodedFragment.FromString(data)
         except DecodeError as err:
             raise InvalidArgument(
                 f"fragment payload is not a valid EncodedFragment: {err}"
             ) from err
+        finally:
+            if release and isinstance(data, bytearray):
+                data.clear()
         if len(msg.tensors) != len(shapes):
             raise InvalidArgument(
                 f"fragment has {len(msg.tensors)} tensors, expected {len(shapes)}"
