@@ -106,35 +106,52 @@ class DelayedNesterov:
     pending: int = 0
 
     def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.buffer is None:
-            self.buffer = [torch.zeros_like(g) for g in grads]
-        for b, g in zip(self.buffer, grads, strict=True):
-            b.add_(g)
-        self.pending += 1
+        momentum = self._absorb(grads)
         updates = [g.mul(-self.lr / self.every) for g in grads]
-        if self.pending >= self.every:
-            mean = [b.div_(self.pending) for b in self.buffer]
-            if self.momentum_buffers is None:
-                self.momentum_buffers = [m.clone() for m in mean]
-            else:
-                for m, g in zip(self.momentum_buffers, mean, strict=True):
-                    m.mul_(self.momentum).add_(g)
-            for u, m in zip(updates, self.momentum_buffers, strict=True):
+        if momentum:
+            for u, m in zip(updates, self.momentum_buffers or [], strict=True):
                 u.add_(m, alpha=-self.lr * self.momentum)
-            self.buffer, self.pending = None, 0
         return updates
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        for p, u in zip(params, self.update(grads), strict=True):
-            p.add_(u)
+        for i, start, u in self.update_chunks(grads):
+            _flat(params[i])[start : start + u.numel()].add_(u)
 
     def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """`update` as (tensor index, first value, values) chunks, like NesterovOuter's (async
-        mode keeps one full-size update while it is applied)."""
-        for i, u in enumerate(self.update(grads)):
-            flat = _flat(u)
-            for start, stop in spans(flat.numel()):
-                yield i, start, flat[start:stop]
+        """`update` a chunk at a time, like NesterovOuter's: the same operations on slices."""
+        momentum = self._absorb(grads)
+        scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
+        for i, g in enumerate(grads):
+            flat_g = _flat(g)
+            flat_m = _flat(self.momentum_buffers[i]) if momentum and self.momentum_buffers else None
+            for start, stop in spans(flat_g.numel()):
+                out = torch.mul(
+                    flat_g[start:stop], -self.lr / self.every, out=scratch[: stop - start]
+                )
+                if flat_m is not None:
+                    out.add_(flat_m[start:stop], alpha=-self.lr * self.momentum)
+                yield i, start, out
+
+    def _absorb(self, grads: list[torch.Tensor]) -> bool:
+        """Sum the gradients into the buffer; every N of them, fold the buffer's mean into the
+        momentum. Returns whether this update carries the momentum term."""
+        if self.buffer is None:
+            self.buffer = [
+                torch.zeros_like(g, memory_format=torch.contiguous_format) for g in grads
+            ]
+        for b, g in zip(self.buffer, grads, strict=True):
+            b.add_(g)
+        self.pending += 1
+        if self.pending < self.every:
+            return False
+        mean = [b.div_(self.pending) for b in self.buffer]
+        if self.momentum_buffers is None:
+            self.momentum_buffers = [m.clone() for m in mean]
+        else:
+            for m, g in zip(self.momentum_buffers, mean, strict=True):
+                m.mul_(self.momentum).add_(g)
+        self.buffer, self.pending = None, 0
+        return True
 
 
 def spans(numel: int, size: int = CHUNK_VALUES) -> Iterator[tuple[int, int]]:
