@@ -141,10 +141,12 @@ def run(learners: int, model_mib: int, duration_s: float, server_env: list[str])
         env={**os.environ, **dict(kv.split("=", 1) for kv in server_env)},
     )  # fmt: skip
     try:
-        for _ in range(600):  # bounded: the server writes its port once it serves
+        for _ in range(2400):  # bounded (2 min, a loaded machine): the port once it serves
             if port_file.exists() or server.poll() is not None:
                 break
             time.sleep(0.05)
+        if not port_file.exists():
+            raise RuntimeError(f"the server did not start serving; see {workdir}/server.log")
         port = int(port_file.read_text())
         # The fixed overhead (interpreter, torch, gRPC): RSS once serving, before any push.
         startup_mb = rss_mb(server.pid)
