@@ -304,7 +304,6 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
                 "outer": _bits(dict(vars(f.outer))),
                 "residual": _bits(f._residual),
                 "updates": _bits([(start, msg) for start, msg in f._updates]),
-                "last_mean": _bits(f.last_mean),
                 "last_push_base": _bits(f.last_push_base),
                 "round": _bits(
                     {

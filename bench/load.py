@@ -3,6 +3,7 @@
     python bench/load.py                       # 64 learners, 120 s
     python bench/load.py --quick --learners 32 # 45 s
     python bench/load.py --quick --model-mib 64 # the model-proportional part of the memory
+    python bench/load.py --quick --slopes      # + 8 learners at 4 and 32 MiB: the two slopes
 
 The server runs as its own process (quorum mode, K = 8, 1 fragment, fp4 pulls) so its memory
 can be read from /proc. Each simulated learner is a thread with its own channel: it joins,
@@ -12,7 +13,17 @@ training: the load is the wire and the server). Reported: pushes per
 second, push latency p50/p99, the server's RSS over time against the fp32 model size, and
 every error by status; errors other than the intended rejections (none are intended here)
 count as unexpected. server_rss_vs_model = (peak RSS - RSS once serving, before any push) /
-fp32 model size. Writes bench/results/load.json.
+fp32 model size, for this one run: at 4 MiB it is mostly the per-learner part (gRPC
+streams, threads, pushes in flight), not copies of the model.
+
+--slopes separates the two (issue 7: <= 4 model copies + a fixed overhead, whatever the
+learner count) with two more servers, each with SLOPE_LEARNERS learners, at --model-mib and
+--slope-model-mib:
+  server_rss_model_copies  = Δ(peak above idle) / Δ(model size) between the two models: the
+                             model-sized copies the server holds (target <= 4)
+  server_rss_mb_per_learner = Δ(peak above idle) / Δ(learners) between SLOPE_LEARNERS and
+                             --learners, at --model-mib
+Writes bench/results/load.json.
 """
 
 from __future__ import annotations
@@ -111,28 +122,13 @@ class Learner(threading.Thread):
             client.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--learners", type=int, default=64)
-    parser.add_argument("--duration-s", type=float, default=120.0)
-    parser.add_argument("--quick", action="store_true", help="45 s")
-    parser.add_argument(
-        "--model-mib", type=int, default=4, help="fp32 model size in MiB (default 4)"
-    )
-    parser.add_argument(
-        "--server-env",
-        nargs="*",
-        default=[],
-        metavar="NAME=VALUE",
-        help="extra environment for the server, e.g. MALLOC_MMAP_THRESHOLD_=131072",
-    )
-    parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
-    args = parser.parse_args()
-    if args.model_mib < 1:
-        parser.error(f"--model-mib must be >= 1, got {args.model_mib}")
-    shapes = model_shapes(args.model_mib)
-    if args.quick:
-        args.duration_s = 45.0
+# Learners of the two runs --slopes adds: K, so every round can close without a grace window.
+SLOPE_LEARNERS = 8
+
+
+def run(learners: int, model_mib: int, duration_s: float, server_env: list[str]) -> dict:
+    """One server under `learners` simulated learners for `duration_s`; see the docstring."""
+    shapes = model_shapes(model_mib)
     workdir = Path(tempfile.mkdtemp(prefix="diloco-load-"))
     port_file = workdir / "port"
     server_log = open(workdir / "server.log", "w")
@@ -142,47 +138,49 @@ def main() -> int:
          "--grace-max-s", "0.5", "--max-staleness", "1000000", "--lease-s", "30",
          "--log-level", "WARNING"],
         cwd=Path(__file__).resolve().parent.parent, stdout=server_log, stderr=subprocess.STDOUT,
-        env={**os.environ, **dict(kv.split("=", 1) for kv in args.server_env)},
+        env={**os.environ, **dict(kv.split("=", 1) for kv in server_env)},
     )  # fmt: skip
     try:
-        for _ in range(600):  # bounded: the server writes its port once it serves
+        for _ in range(2400):  # bounded (2 min, a loaded machine): the port once it serves
             if port_file.exists() or server.poll() is not None:
                 break
             time.sleep(0.05)
+        if not port_file.exists():
+            raise RuntimeError(f"the server did not start serving; see {workdir}/server.log")
         port = int(port_file.read_text())
         # The fixed overhead (interpreter, torch, gRPC): RSS once serving, before any push.
         startup_mb = rss_mb(server.pid)
         torch.manual_seed(0)
         payload = encode_fragment([torch.randn(s) * 1e-3 for s in shapes], "fp4_e2m1")
         stop = threading.Event()
-        learners = [Learner(i, port, shapes, payload, stop) for i in range(args.learners)]
+        fleet = [Learner(i, port, shapes, payload, stop) for i in range(learners)]
         started = time.perf_counter()
-        learners[0].start()
-        if not learners[0].joined.wait(60):
+        fleet[0].start()
+        if not fleet[0].joined.wait(60):
             raise RuntimeError(f"the first learner could not initialise; see {workdir}")
-        for learner in learners[1:]:
+        for learner in fleet[1:]:
             learner.start()
         samples = []
-        while time.perf_counter() - started < args.duration_s:
+        while time.perf_counter() - started < duration_s:
             samples.append((round(time.perf_counter() - started, 1), rss_mb(server.pid)))
             time.sleep(1.0)
         stop.set()
-        for learner in learners:
+        for learner in fleet:
             learner.join(timeout=60)
         elapsed = time.perf_counter() - started
     finally:
         server.terminate()
         server.wait(timeout=30)
-    latencies = sorted(t for learner in learners for t in learner.latencies)
+    latencies = sorted(t for learner in fleet for t in learner.latencies)
     errors: Counter[str] = Counter()
-    for learner in learners:
+    for learner in fleet:
         errors.update(learner.errors)
     model_mb = sum(a * b for a, b in shapes) * 4 / 2**20
     peak = max(mb for _, mb in samples)
-    report = {
-        "learners": args.learners,
-        "model_mib": args.model_mib,
-        "server_env": args.server_env,
+    return {
+        "learners": learners,
+        "model_mib": model_mib,
+        "server_env": server_env,
         "duration_s": elapsed,
         "pushes": len(latencies),
         "pushes_per_s": len(latencies) / elapsed,
@@ -194,11 +192,70 @@ def main() -> int:
         "server_rss_mb": samples,
         "server_rss_peak_mb": peak,
         "server_rss_startup_mb": startup_mb,
-        # Issue 7 target: <= 4 (peak above the fixed overhead, in fp32 models).
+        "server_rss_above_idle_mb": peak - startup_mb,
+        # Peak above the fixed overhead, in fp32 models, for this run's learners and model.
         "server_rss_vs_model": (peak - startup_mb) / model_mb,
         "server_rss_growth_mb_second_half": samples[-1][1] - samples[len(samples) // 2][1],
     }
-    print(json.dumps({k: v for k, v in report.items() if k != "server_rss_mb"}, indent=1))
+
+
+def slopes(report: dict, args: argparse.Namespace) -> dict:
+    """The model copies and the MB per learner (module docstring), from two more runs."""
+    small = run(SLOPE_LEARNERS, args.model_mib, args.duration_s, args.server_env)
+    big = run(SLOPE_LEARNERS, args.slope_model_mib, args.duration_s, args.server_env)
+    runs = [small, big]
+    copies = (big["server_rss_above_idle_mb"] - small["server_rss_above_idle_mb"]) / (
+        big["model_mb"] - small["model_mb"]
+    )
+    out = {"server_rss_model_copies": copies}
+    if args.learners != SLOPE_LEARNERS:
+        out["server_rss_mb_per_learner"] = (
+            report["server_rss_above_idle_mb"] - small["server_rss_above_idle_mb"]
+        ) / (args.learners - SLOPE_LEARNERS)
+    out["slope_runs"] = runs
+    out["unexpected_errors"] = sum(r["unexpected_errors"] for r in [report, *runs])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--learners", type=int, default=64)
+    parser.add_argument("--duration-s", type=float, default=120.0)
+    parser.add_argument("--quick", action="store_true", help="45 s a run")
+    parser.add_argument(
+        "--model-mib", type=int, default=4, help="fp32 model size in MiB (default 4)"
+    )
+    parser.add_argument(
+        "--slopes",
+        action="store_true",
+        help=f"also run {SLOPE_LEARNERS} learners at --model-mib and --slope-model-mib",
+    )
+    parser.add_argument("--slope-model-mib", type=int, default=32, help="(default 32)")
+    parser.add_argument(
+        "--server-env",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="extra environment for the server, e.g. MALLOC_MMAP_THRESHOLD_=131072",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "load.json")
+    args = parser.parse_args()
+    if args.model_mib < 1:
+        parser.error(f"--model-mib must be >= 1, got {args.model_mib}")
+    if args.slopes and args.slope_model_mib <= args.model_mib:
+        parser.error("--slope-model-mib must be larger than --model-mib")
+    if args.quick:
+        args.duration_s = 45.0
+    report = run(args.learners, args.model_mib, args.duration_s, args.server_env)
+    if args.slopes:
+        report.update(slopes(report, args))
+    summary = {k: v for k, v in report.items() if k not in ("server_rss_mb", "slope_runs")}
+    print(json.dumps(summary, indent=1))
+    for r in report.get("slope_runs", []):
+        print(
+            f"slope run: {r['learners']} learners, {r['model_mib']} MiB: peak "
+            f"{r['server_rss_peak_mb']:.0f} MB, {r['server_rss_above_idle_mb']:.0f} MB above idle"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     return 0 if report["unexpected_errors"] == 0 else 1

@@ -13,8 +13,12 @@ Figures (targets from issue 7), written to bench/results/perf.json and plotted:
 - learner_step_overhead: inner step with the DiLoCo machinery on vs the plain loop, minus 1
   (target <= 0.02), bench/learner_overhead.py; also the longest GIL stall of the training
   thread while a large fragment is encoded and pushed.
-- server_rss_vs_model: the server's peak RSS above its idle RSS, in fp32 model sizes, under
-  the load test's learners (target <= 4, independent of the learner count), bench/load.py.
+- server_rss_vs_model: the model-sized copies the server holds: its peak RSS above idle
+  grows by this many fp32 model sizes per model size, between 4 and 32 MiB models at 8
+  learners (target <= 4, independent of the learner count), bench/load.py --slopes. The
+  learner count's own part is load.server_rss_mb_per_learner (4 MiB, 8 vs --learners), and
+  load.server_rss_vs_model the single 4 MiB run's peak above idle in model sizes (mostly
+  that per-learner part at this size).
 With a CUDA GPU, the codec and a training step on it (bench/cuda_check.py) are added.
 """
 
@@ -69,9 +73,9 @@ def server_rss(learners: int, duration_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="perf-load-") as tmp:
         out = Path(tmp) / "load.json"
         subprocess.run(
-            [sys.executable, "bench/load.py", "--learners", str(learners),
+            [sys.executable, "bench/load.py", "--learners", str(learners), "--slopes",
              "--duration-s", str(duration_s), "--out", str(out)],
-            cwd=ROOT, check=True, timeout=duration_s + 300,
+            cwd=ROOT, check=True, timeout=3 * duration_s + 600,
         )  # fmt: skip
         return json.loads(out.read_text())
 
@@ -153,8 +157,8 @@ def main() -> int:
     report["ingest_vs_grpc"] = report["ingest"]["ingest_vs_grpc"]
     report["learner"] = learner_overhead.measure(quick=args.quick)
     report["learner_step_overhead"] = report["learner"]["learner_step_overhead"]
-    report["load"] = server_rss(args.learners, 30.0 if args.quick else 90.0)
-    report["server_rss_vs_model"] = report["load"]["server_rss_vs_model"]
+    report["load"] = server_rss(args.learners, 20.0 if args.quick else 60.0)
+    report["server_rss_vs_model"] = report["load"]["server_rss_model_copies"]
     if torch.cuda.is_available():
         report["cuda"] = cuda()
     if not args.quick:
@@ -166,6 +170,12 @@ def main() -> int:
     print(f"\n{'figure':<24} {'measured':>10}  target")
     for name in TARGETS:
         print(f"{name:<24} {report[name]:>10.3f}  {verdict(name, report[name])}")
+    load = report["load"]
+    print(
+        f"server RSS per learner {load['server_rss_mb_per_learner']:.2f} MB; one "
+        f"{load['learners']}-learner run at {load['model_mib']} MiB: "
+        f"{load['server_rss_vs_model']:.1f} model sizes above idle"
+    )
     baseline = report["codec"]["torch_path"]["codec_vs_memcpy"]
     print(f"codec_vs_memcpy of the pure-torch path (the baseline) {baseline:.3f}")
     gil = report["learner"]["gil"]

@@ -443,18 +443,21 @@ class Aggregator:
         if isinstance(fragment.outer, DelayedNesterov) and not self.config.async_momentum_every:
             fragment.outer.every = max(1, len(self._sessions))
         opened_at = fragment.round.opened_at
-        summary = fragment.close_round(self._expected_weight(fragment.round))
+        store = self._store
+        every = fragment.outer.every if isinstance(fragment.outer, DelayedNesterov) else 0
+
+        def record(mean: list[torch.Tensor]) -> None:
+            # Durable before the lock is released and the version served.
+            if store is not None:
+                store.append(LogRecord(fragment.fragment_id, fragment.version, mean, every))
+
+        summary = fragment.close_round(self._expected_weight(fragment.round), record)
         round_s = self._clock() - opened_at if opened_at is not None else 0.0
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
-        if self._store is not None:  # durable before the lock is released and it is served
-            assert fragment.last_mean is not None
-            every = fragment.outer.every if isinstance(fragment.outer, DelayedNesterov) else 0
-            self._store.append(
-                LogRecord(fragment.fragment_id, summary.version, fragment.last_mean, every)
-            )
+        if store is not None:
             self._rounds_since_snapshot += 1
             if self._rounds_since_snapshot >= self.config.snapshot_every_versions:
-                self._write_snapshot(self._store)
+                self._write_snapshot(store)
         log.info(
             "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
             fragment.fragment_id,
@@ -484,9 +487,9 @@ class Aggregator:
 
     def _restore(self, store: StateStore) -> None:
         """Load the snapshot and replay the log (see server/durable.py)."""
-        snapshot, records = store.load()
+        snapshot = store.load_snapshot()
         if snapshot is None:
-            if records:
+            if next(store.replay(), None) is not None:
                 raise RuntimeError(f"{store.log_path} has records but there is no snapshot")
             return
         cfg = self.config
@@ -508,7 +511,9 @@ class Aggregator:
         self._fragments = self._new_fragments(self._fingerprint)
         for fragment, state in zip(self._fragments, snapshot["fragments"], strict=True):
             fragment.load_state_dict(state)
-        for record in records:
+        replayed = 0
+        for record in store.replay():  # one record in memory at a time
+            replayed += 1
             fragment = self._fragment(record.fragment_id)
             if record.version <= fragment.version:
                 continue  # a crash between snapshot and log reset: already in the snapshot
@@ -524,7 +529,7 @@ class Aggregator:
             "restored from %s: versions %s (replayed %d records)",
             cfg.state_dir,
             [f.version for f in self._fragments],
-            len(records),
+            replayed,
         )
 
     def _expected_weight(self, rnd: Round) -> float:

@@ -3,26 +3,37 @@
     state_dir/snapshot.pt   torch.save of the whole aggregator state, replaced atomically
                             (write a temp file, fsync, rename, fsync the directory)
     state_dir/updates.log   one record per closed round since that snapshot:
-                            magic "DLR1" | payload length (u64) | crc32 (u32) | payload
-                            payload = torch.save({"fragment", "version", "mean"})
+                            magic "DLR2" | payload length (u64) | crc32 (u32) | payload
+                            payload = meta length (u32) | meta (JSON: fragment, version,
+                            every, shapes) | each mean tensor's float32 bytes (little-endian)
+                            ("DLR1" records, payload = torch.save(...), are still read)
 
 Invariant: a version that any learner has seen is durable. The aggregator appends (and
 fsyncs) the round's record before it releases its lock, so no pull can see a version whose
 record is not on disk; after `kill -9` the server loads the snapshot and replays the means
 through the same deterministic outer step, ending bit-identical, momentum and error feedback
 included. A torn or corrupt record can only be the tail (a write the crash interrupted,
-whose version was never served): loading stops at the first bad record, truncates the log
+whose version was never served): replay stops at the first bad record, truncates the log
 there and says so. Replay checks that versions follow on, so nothing is applied blindly.
+
+Memory: a record is written from the mean tensors' own buffers (no serialized copy) and
+replay reads one record at a time, so neither costs more than one model-sized tensor list
+(a log of 100 records once took 200 model sizes to replay: the file and the decoded means).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import logging
+import math
 import os
 import struct
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -30,8 +41,10 @@ from common.checksum import crc32
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"DLR1"
+_MAGIC = b"DLR2"
+_MAGIC_TORCH = b"DLR1"  # written before raw records: payload = torch.save({...})
 _HEADER = struct.Struct("<4sQI")
+_META_LEN = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -50,26 +63,32 @@ class StateStore:
         self.log_path = self.dir / "updates.log"
         self._log = None
 
-    def load(self) -> tuple[dict | None, list[LogRecord]]:
-        """The latest snapshot (None if there is none) and the valid records after it."""
-        snapshot = None
-        if self.snapshot_path.exists():
-            snapshot = torch.load(self.snapshot_path, weights_only=False)
-        records: list[LogRecord] = []
-        if self.log_path.exists():
-            records, valid_bytes = _read_records(self.log_path.read_bytes())
-            size = self.log_path.stat().st_size
-            if valid_bytes < size:
-                log.warning(
-                    "updates.log: dropping a torn or corrupt tail of %d bytes after %d "
-                    "good records",
-                    size - valid_bytes,
-                    len(records),
-                )
-                with open(self.log_path, "r+b") as f:
-                    f.truncate(valid_bytes)
-                    os.fsync(f.fileno())
-        return snapshot, records
+    def load_snapshot(self) -> dict | None:
+        """The latest snapshot, None if there is none."""
+        if not self.snapshot_path.exists():
+            return None
+        return torch.load(self.snapshot_path, weights_only=False)
+
+    def replay(self) -> Iterator[LogRecord]:
+        """The valid records after the snapshot, one at a time; a torn or corrupt tail is
+        dropped (the log truncated to the good prefix) once the good records are read."""
+        if not self.log_path.exists():
+            return
+        size = self.log_path.stat().st_size
+        with open(self.log_path, "rb") as f:
+            count, valid_bytes = 0, 0
+            while (record := _read_record(f, size - valid_bytes)) is not None:
+                count, valid_bytes = count + 1, f.tell()
+                yield record
+        if valid_bytes < size:
+            log.warning(
+                "updates.log: dropping a torn or corrupt tail of %d bytes after %d good records",
+                size - valid_bytes,
+                count,
+            )
+            with open(self.log_path, "r+b") as f:
+                f.truncate(valid_bytes)
+                os.fsync(f.fileno())
 
     def write_snapshot(self, state: dict) -> None:
         """Replace the snapshot atomically, then start an empty log."""
@@ -85,15 +104,27 @@ class StateStore:
             os.fsync(f.fileno())
 
     def append(self, record: LogRecord) -> None:
-        """Append one record and fsync it before returning."""
-        buffer = io.BytesIO()
-        torch.save(
-            {"fragment": record.fragment_id, "version": record.version, "mean": record.mean}, buffer
-        )
-        payload = buffer.getvalue()
+        """Append one record and fsync it before returning; the tensors' bytes are written
+        from their own buffers."""
+        views = [_bytes_view(t) for t in record.mean]
+        meta = json.dumps(
+            {
+                "fragment": record.fragment_id,
+                "version": record.version,
+                "every": record.outer_every,
+                "shapes": [list(t.shape) for t in record.mean],
+            }
+        ).encode()
+        head = _META_LEN.pack(len(meta)) + meta
+        crc = crc32(head)
+        for view in views:
+            crc = crc32(view, crc)
+        length = len(head) + sum(view.nbytes for view in views)
         if self._log is None:
             self._log = open(self.log_path, "ab")
-        self._log.write(_HEADER.pack(_MAGIC, len(payload), crc32(payload)) + payload)
+        self._log.write(_HEADER.pack(_MAGIC, length, crc) + head)
+        for view in views:
+            self._log.write(view)
         self._log.flush()
         os.fsync(self._log.fileno())
 
@@ -110,20 +141,64 @@ class StateStore:
             os.close(fd)
 
 
-def _read_records(data: bytes) -> tuple[list[LogRecord], int]:
-    """Parse records until the first torn or corrupt one; returns them and the good length."""
-    records, offset = [], 0
-    while offset + _HEADER.size <= len(data):
-        magic, length, crc = _HEADER.unpack_from(data, offset)
-        start, end = offset + _HEADER.size, offset + _HEADER.size + length
-        if magic != _MAGIC or end > len(data) or crc32(data[start:end]) != crc:
-            break
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """The little-endian float32 bytes of a contiguous CPU tensor, uncopied."""
+    if t.dtype != torch.float32 or not t.is_contiguous() or sys.byteorder != "little":
+        t = t.to(torch.float32).contiguous()
+        if sys.byteorder != "little":
+            t = t.view(torch.int32).byteswap_().view(torch.float32)  # pragma: no cover
+    return memoryview(t.detach().numpy()).cast("B")
+
+
+def _read_record(f: BinaryIO, remaining: int) -> LogRecord | None:
+    """The record at f's position, or None if it is torn, corrupt or absent. Nothing is
+    allocated beyond what the file still holds."""
+    header = f.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        return None
+    magic, length, crc = _HEADER.unpack(header)
+    if length > remaining - _HEADER.size:
+        return None
+    if magic == _MAGIC_TORCH:
+        data = f.read(length)
+        if crc32(data) != crc:
+            return None
         try:
-            fields = torch.load(io.BytesIO(data[start:end]), weights_only=True)
+            fields = torch.load(io.BytesIO(data), weights_only=True)
         except Exception:  # noqa: BLE001 - any unreadable payload ends the valid prefix
-            break
-        records.append(
-            LogRecord(fields["fragment"], fields["version"], fields["mean"], fields.get("every", 0))
+            return None
+        return LogRecord(
+            fields["fragment"], fields["version"], fields["mean"], fields.get("every", 0)
         )
-        offset = end
-    return records, offset
+    if magic != _MAGIC:
+        return None
+    try:
+        return _read_raw_record(f, length, crc)
+    except (ValueError, KeyError, TypeError):  # a corrupt meta ends the valid prefix
+        return None
+
+
+def _read_raw_record(f: BinaryIO, length: int, crc: int) -> LogRecord | None:
+    head = f.read(_META_LEN.size)
+    (meta_len,) = _META_LEN.unpack(head)
+    if _META_LEN.size + meta_len > length:
+        return None
+    meta_bytes = f.read(meta_len)
+    meta = json.loads(meta_bytes)
+    shapes = [tuple(int(d) for d in shape) for shape in meta["shapes"]]
+    if any(d < 0 for shape in shapes for d in shape):
+        return None
+    if _META_LEN.size + meta_len + sum(4 * math.prod(shape) for shape in shapes) != length:
+        return None
+    running = crc32(meta_bytes, crc32(head))
+    mean = []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=torch.float32)
+        view = _bytes_view(t)
+        if f.readinto(view) != view.nbytes:
+            return None
+        running = crc32(view, running)
+        mean.append(t)
+    if running != crc:
+        return None
+    return LogRecord(int(meta["fragment"]), int(meta["version"]), mean, int(meta["every"]))

@@ -6,23 +6,33 @@ the Nesterov update, Q the codec's quantize-dequantize and e the residual of ear
 Q(u_v) … Q(u_now−1), adds them in order, and ends bit-identical to the server: both sides do
 the same float32 additions of the same decoded tensors. With `fp32` pulls the step is exactly
 torch.optim.SGD's and learners pull full snapshots.
+
+Memory (issue 7; tests/unit/test_fragment_memory.py counts it): a fragment holds four fp32
+copies of itself — parameters, outer momentum, error-feedback residual and the round's sum
+(reused from round to round) — three with fp32 pulls, one more in async mode (Delayed
+Nesterov's pending sum); plus the log of 4-bit updates, at most a snapshot's bytes. The
+outer step works a chunk at a time; a snapshot is the parameters' bytes read in place, copied
+only if a pull still streams it when the next step changes them.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from common.codec import codec_id, decode, encode
+from common.codec import FP4_BLOCK, codec_id, dequantize_fp4, encoded_sizes, quantize_fp4
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import params_crc32
 from server.ingest import DenseBody, PushBody
 from server.outer import OuterOptimizer
-from server.pull_parts import chain_parts, snapshot_parts
+from server.pull_parts import TensorBytes, chain_parts, snapshot_parts, tensor_parts
 
 
 @dataclass
@@ -50,7 +60,7 @@ class PullResult:
 
     kind: int  # pb.PULL_KIND_*
     version: int
-    parts: tuple[bytes, ...]
+    parts: tuple[bytes | TensorBytes, ...]
     params_crc32: int
 
     @property
@@ -61,7 +71,7 @@ class PullResult:
     def payload(self) -> bytes:
         """The whole payload in one buffer, for in-process callers and tests (a copy when
         there is more than one part); the servicer streams `parts` instead."""
-        return b"".join(self.parts)
+        return b"".join(bytes(p) if isinstance(p, TensorBytes) else p for p in self.parts)
 
 
 @dataclass(frozen=True)
@@ -93,16 +103,24 @@ class FragmentState:
         self._residual: list[torch.Tensor] | None = None
         # (version the update starts from, the serialized EncodedFragment of the quantized
         # update) for the newest versions: serialized once, shared by every pull's chain.
-        self._updates: deque[tuple[int, bytes]] = deque(maxlen=update_log_versions)
+        self._updates: deque[tuple[int, bytes]] = deque()
+        self._update_log_versions = update_log_versions
+        self._update_bytes = 0  # Σ len(data) over _updates
         self._snapshot: PullResult | None = None
+        self._params_lock = threading.Lock()  # TensorBytes reads vs. freezing before a step
+        self.snapshots_frozen = 0  # snapshot tensors copied because a pull still streamed them
         self._crc: tuple[int, int] | None = None  # (version, params_crc32)
         self._numel = sum(math.prod(shape) for shape in shapes)
-        self.last_mean: list[torch.Tensor] | None = None  # of the last round, for the log
+        # The last round's sum, reused by the next round: no model-sized allocation per round.
+        self._spare_sum: list[torch.Tensor] | None = None
         # learner -> base_version of its last accepted push: a retried push counts once.
         self.last_push_base: dict[str, int] = {}
 
     def initialize(self, tensors: list[torch.Tensor]) -> None:
-        self.params = [t.detach().to(torch.float32).clone() for t in tensors]
+        self.params = [
+            t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
+            for t in tensors
+        ]
         self.version = 0
 
     def add(
@@ -118,18 +136,28 @@ class FragmentState:
         A PushBody is decoded into the sum a chunk at a time (server/ingest.py): no
         per-learner float32 copy of the fragment is ever made."""
         rnd, scale = self.round, weight * discount
-        rnd.delta_sum = body.add_to(rnd.delta_sum, scale)
+        if rnd.delta_sum is None and self._spare_sum is not None:
+            rnd.delta_sum = body.add_to(self._spare_sum, scale, overwrite=True)
+            self._spare_sum = None
+        else:
+            rnd.delta_sum = body.add_to(rnd.delta_sum, scale)
         rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
         rnd.pushes += 1
         rnd.tokens += tokens
 
-    def close_round(self, expected_weight: float = 0.0) -> RoundSummary:
+    def close_round(
+        self,
+        expected_weight: float = 0.0,
+        record: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> RoundSummary:
         """Average the round's pseudo-gradients and apply one outer step.
 
         The sum is divided by the larger of the round's weight and `expected_weight` (the
         weight a full round would carry): a partial round then takes a partial step.
+        `record(mean)` is called after the step (the durable log): the mean lives in the
+        round's sum buffer, which is then kept for the next round instead of freed.
         """
         rnd, started = self.round, time.perf_counter()
         assert rnd.delta_sum is not None and self.params is not None  # caller checked
@@ -137,20 +165,23 @@ class FragmentState:
         mean = [acc.div_(denominator) for acc in rnd.delta_sum]
         self.apply_mean(mean)
         self.round = Round()
-        self.last_mean = mean
+        if record is not None:
+            record(mean)
+        self._spare_sum = mean
         return RoundSummary(self.version, rnd.pushes, rnd.tokens, time.perf_counter() - started)
 
     def apply_mean(self, mean: list[torch.Tensor]) -> None:
         """One outer step along the round's mean pseudo-gradient; deterministic, so replaying
-        the logged means from a snapshot rebuilds the exact state (server/durable.py)."""
+        the logged means from a snapshot rebuilds the exact state (server/durable.py). The
+        mean is left as it was."""
         if self.params is None:
             raise RuntimeError(f"fragment {self.fragment_id} has no parameters to update")
+        self._release_snapshot()
         if self.pull_codec == pb.CODEC_FP32:
             self.outer.step(self.params, mean)
         else:
-            self._apply_quantized(self.outer.update(mean))
+            self._apply_quantized(mean)
         self.version += 1
-        self._snapshot = None  # the old answer: free its memory now
 
     def state_dict(self) -> dict:
         """Everything needed to resume this fragment exactly: parameters, version, outer
@@ -170,9 +201,11 @@ class FragmentState:
             setattr(self.outer, name, value)
         self._residual = state["residual"]
         self._updates.clear()
+        self._update_bytes = 0
         for start, data in state["updates"]:
             pb.EncodedFragment.FromString(data)  # refuse a corrupt log now, not at a pull
             self._updates.append((start, bytes(data)))
+            self._update_bytes += len(data)
         self._snapshot, self._crc = None, None
 
     def pull(self, have_version: int) -> PullResult:
@@ -211,19 +244,69 @@ class FragmentState:
             self._crc = (self.version, params_crc32(self.params))
         return self._crc[1]
 
-    def _apply_quantized(self, update: list[torch.Tensor]) -> None:
+    def _apply_quantized(self, mean: list[torch.Tensor]) -> None:
+        """θ += Q(u + e), e ← (u + e) − Q(u + e), a chunk of the outer update u at a time, and
+        log Q(u + e) as a serialized EncodedFragment. Element-wise the same operations as on
+        whole tensors (and the same bytes as common.codec.encode), without any float32
+        temporary of the model's size: the server's memory stays at parameters, momentum,
+        residual and the round's sum (tests/unit/test_fragment_memory.py)."""
         assert self.params is not None
-        if self._residual is not None:
-            for u, r in zip(update, self._residual, strict=True):
-                u.add_(r)
-        encoded = pb.EncodedFragment(tensors=[encode(u, self.pull_codec) for u in update])
-        quantized = [
-            decode(t, shape) for t, shape in zip(encoded.tensors, self.shapes, strict=True)
-        ]
-        self._residual = [u.sub_(q) for u, q in zip(update, quantized, strict=True)]
-        for p, q in zip(self.params, quantized, strict=True):
-            p.add_(q)  # the same float32 addition every learner does (common.wire.apply_updates)
-        self._updates.append((self.version, encoded.SerializeToString()))
+        first = self._residual is None
+        if first:
+            self._residual = [torch.empty(shape, dtype=torch.float32) for shape in self.shapes]
+        codes = [torch.empty(encoded_sizes(self.pull_codec, p.numel())[0], dtype=torch.uint8)
+                 for p in self.params]  # fmt: skip
+        scales = [torch.empty(encoded_sizes(self.pull_codec, p.numel())[1], dtype=torch.uint8)
+                  for p in self.params]  # fmt: skip
+        for i, start, u in self.outer.update_chunks(mean):
+            stop = start + u.numel()
+            residual = self._residual[i].view(-1)[start:stop]
+            if not first:
+                u.add_(residual)
+            if not bool(torch.isfinite(u).all()):
+                raise ValueError("cannot encode a tensor with NaN or infinite values")
+            packed, scale_bytes = quantize_fp4(u, self.pull_codec)
+            quantized = dequantize_fp4(packed, scale_bytes, u.numel(), self.pull_codec)
+            torch.sub(u, quantized, out=residual)
+            # The same float32 addition every learner does (common.wire.apply_updates).
+            self.params[i].view(-1)[start:stop].add_(quantized)
+            codes[i][start // 2 : start // 2 + packed.numel()] = packed
+            first_block = start // FP4_BLOCK
+            scales[i][first_block : first_block + scale_bytes.numel()] = scale_bytes
+        self._log_update(
+            b"".join(
+                part
+                for shape, c, s in zip(self.shapes, codes, scales, strict=True)
+                for part in tensor_parts(
+                    self.pull_codec, shape, memoryview(c.numpy()), memoryview(s.numpy())
+                )
+            )
+        )
+
+    def _log_update(self, data: bytes) -> None:
+        """Keep the quantized update; drop the oldest ones beyond `update_log_versions` or
+        beyond a snapshot's size in all: a longer chain is never sent (pull() answers with
+        the snapshot instead), so those bytes would only hold memory."""
+        self._updates.append((self.version, data))
+        self._update_bytes += len(data)
+        while len(self._updates) > self._update_log_versions or (
+            len(self._updates) > 1 and self._update_bytes > 4 * self._numel
+        ):
+            self._update_bytes -= len(self._updates.popleft()[1])
+
+    def _release_snapshot(self) -> None:
+        """Before the parameters change: drop the cached snapshot, and freeze the parts that
+        pulls in flight still stream (each then holds a copy of its tensor's old bytes)."""
+        if self._snapshot is None:
+            return
+        refs = [weakref.ref(p) for p in self._snapshot.parts if isinstance(p, TensorBytes)]
+        self._snapshot = None
+        with self._params_lock:
+            for ref in refs:
+                part = ref()  # alive only if a stream holds it: CPython frees the rest now
+                if part is not None:
+                    part.freeze()
+                    self.snapshots_frozen += 1
 
     def _current_snapshot(self) -> PullResult:
         if self._snapshot is None or self._snapshot.version != self.version:
@@ -231,7 +314,7 @@ class FragmentState:
             self._snapshot = PullResult(
                 pb.PULL_KIND_SNAPSHOT,
                 self.version,
-                snapshot_parts(self.params),
+                snapshot_parts(self.params, self._params_lock),
                 self._current_crc32(),
             )
         return self._snapshot

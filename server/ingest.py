@@ -134,11 +134,14 @@ class PushBody:
         self.norm = math.sqrt(squares)  # float64 sum of squares, as the NormGuard wants
         self.max_abs = max_abs
 
-    def add_to(self, sums: list[torch.Tensor] | None, scale: float) -> list[torch.Tensor]:
-        """sums += scale·Δ (new sums of scale·Δ when None), the same float32 operations as
-        `clone().mul_(scale)` and `add_(Δ, alpha=scale)` on whole tensors."""
-        first = sums is None
-        if first:
+    def add_to(
+        self, sums: list[torch.Tensor] | None, scale: float, overwrite: bool = False
+    ) -> list[torch.Tensor]:
+        """sums += scale·Δ (sums = scale·Δ with `overwrite`, in new tensors when None), the
+        same float32 operations as `clone().mul_(scale)` and `add_(Δ, alpha=scale)` on whole
+        tensors. `sums` must be contiguous."""
+        first = sums is None or overwrite
+        if sums is None:
             sums = [torch.empty(t.shape, dtype=torch.float32) for t in self._tensors]
         flats = {id(t): s.view(-1) for t, s in zip(self._tensors, sums, strict=True)}
         done = self._add_fp4_natively(flats, scale, first)
@@ -238,15 +241,27 @@ class IngestSlot:
     def __init__(self) -> None:
         self._scratch = _Scratch()
 
-    def parse(self, data: bytes | bytearray, shapes: Sequence[tuple[int, ...]]) -> PushBody:
+    def parse(
+        self,
+        data: bytes | bytearray,
+        shapes: Sequence[tuple[int, ...]],
+        release: bool = False,
+    ) -> PushBody:
         """Check a serialized EncodedFragment against the fragment's shapes and read its norm
-        and largest magnitude; raises InvalidArgument like common.wire.decode_fragment."""
+        and largest magnitude; raises InvalidArgument like common.wire.decode_fragment.
+
+        With `release`, a bytearray `data` is emptied once protobuf has parsed (copied) it,
+        before the tensors' bytes are copied out of the message: a push then peaks at two
+        copies of its payload here, not three (the caller's reference would keep it alive)."""
         try:
             msg = pb.EncodedFragment.FromString(data)
         except DecodeError as err:
             raise InvalidArgument(
                 f"fragment payload is not a valid EncodedFragment: {err}"
             ) from err
+        finally:
+            if release and isinstance(data, bytearray):
+                data.clear()
         if len(msg.tensors) != len(shapes):
             raise InvalidArgument(
                 f"fragment has {len(msg.tensors)} tensors, expected {len(shapes)}"
@@ -299,12 +314,16 @@ class DenseBody:
                 self.max_abs = largest
         self.norm = math.sqrt(sum(float(t.double().square().sum()) for t in self._tensors))
 
-    def add_to(self, sums: list[torch.Tensor] | None, scale: float) -> list[torch.Tensor]:
-        """sums += scale·Δ (new sums of scale·Δ when None)."""
-        if sums is None:
-            sums = [t.detach().to(torch.float32).clone() for t in self._tensors]
-            if scale != 1.0:
-                for acc in sums:
+    def add_to(
+        self, sums: list[torch.Tensor] | None, scale: float, overwrite: bool = False
+    ) -> list[torch.Tensor]:
+        """sums += scale·Δ (sums = scale·Δ with `overwrite`, in new tensors when None)."""
+        if sums is None or overwrite:
+            if sums is None:
+                sums = [torch.empty(t.shape, dtype=torch.float32) for t in self._tensors]
+            for acc, t in zip(sums, self._tensors, strict=True):
+                acc.copy_(t.detach())
+                if scale != 1.0:
                     acc.mul_(scale)
             return sums
         for acc, t in zip(sums, self._tensors, strict=True):

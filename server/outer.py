@@ -8,10 +8,15 @@ the state explicit and per fragment so it can be saved, restored and sharded.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+# Values of the outer update made at a time (512 KiB of float32): the step then needs no
+# temporary of the model's size (server/fragment.py keeps the server at ~4 model copies).
+CHUNK_VALUES = 1 << 17
 
 
 class OuterOptimizer(Protocol):
@@ -20,6 +25,9 @@ class OuterOptimizer(Protocol):
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Apply the change in place (in float32, exactly as the optimizer defines it)."""
+
+    def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """`update`, a chunk at a time: (tensor index, first value, float32 values)."""
 
 
 @dataclass
@@ -42,10 +50,32 @@ class NesterovOuter:
         ]
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """One torch.optim.SGD(nesterov=True) step of `params` along `grads`."""
+        """One torch.optim.SGD(nesterov=True) step of `params` along `grads`.
+
+        Made a chunk at a time with torch's own operations (p += −lr·(g + momentum·buf)):
+        element-wise, so bit-identical to the whole-tensor step, with no full-size temporary.
+        """
         buffers = self._advance_momentum(grads)
+        scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
         for p, g, buf in zip(params, grads, buffers, strict=True):
-            p.add_(g.add(buf, alpha=self.momentum), alpha=-self.lr)
+            flat_p, flat_g, flat_buf = _flat(p), _flat(g), _flat(buf)
+            for start, stop in spans(flat_g.numel()):
+                out = scratch[: stop - start]
+                torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=self.momentum, out=out)
+                flat_p[start:stop].add_(out, alpha=-self.lr)
+
+    def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Advance the momentum, then yield the update of `update` a chunk at a time:
+        (tensor index, first value, float32 values), each valid until the next is asked for.
+        The same operations as `update` on slices, so the same values."""
+        buffers = self._advance_momentum(grads)
+        scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
+        for i, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
+            flat_g, flat_buf = _flat(g), _flat(buf)
+            for start, stop in spans(flat_g.numel()):
+                out = scratch[: stop - start]
+                torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=self.momentum, out=out)
+                yield i, start, out.mul_(-self.lr)
 
     def _advance_momentum(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.momentum_buffers is None:
@@ -76,24 +106,66 @@ class DelayedNesterov:
     pending: int = 0
 
     def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.buffer is None:
-            self.buffer = [torch.zeros_like(g) for g in grads]
-        for b, g in zip(self.buffer, grads, strict=True):
-            b.add_(g)
-        self.pending += 1
+        momentum = self._absorb(grads)
         updates = [g.mul(-self.lr / self.every) for g in grads]
-        if self.pending >= self.every:
-            mean = [b.div_(self.pending) for b in self.buffer]
-            if self.momentum_buffers is None:
-                self.momentum_buffers = [m.clone() for m in mean]
-            else:
-                for m, g in zip(self.momentum_buffers, mean, strict=True):
-                    m.mul_(self.momentum).add_(g)
-            for u, m in zip(updates, self.momentum_buffers, strict=True):
+        if momentum:
+            for u, m in zip(updates, self.momentum_buffers or [], strict=True):
                 u.add_(m, alpha=-self.lr * self.momentum)
-            self.buffer, self.pending = None, 0
         return updates
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        for p, u in zip(params, self.update(grads), strict=True):
-            p.add_(u)
+        for i, start, u in self.update_chunks(grads):
+            _flat(params[i])[start : start + u.numel()].add_(u)
+
+    def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """`update` a chunk at a time, like NesterovOuter's: the same operations on slices."""
+        momentum = self._absorb(grads)
+        scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
+        for i, g in enumerate(grads):
+            flat_g = _flat(g)
+            flat_m = _flat(self.momentum_buffers[i]) if momentum and self.momentum_buffers else None
+            for start, stop in spans(flat_g.numel()):
+                out = torch.mul(
+                    flat_g[start:stop], -self.lr / self.every, out=scratch[: stop - start]
+                )
+                if flat_m is not None:
+                    out.add_(flat_m[start:stop], alpha=-self.lr * self.momentum)
+                yield i, start, out
+
+    def _absorb(self, grads: list[torch.Tensor]) -> bool:
+        """Sum the gradients into the buffer; every N of them, fold the buffer's mean into the
+        momentum. Returns whether this update carries the momentum term."""
+        if self.buffer is None:
+            self.buffer = [
+                torch.zeros_like(g, memory_format=torch.contiguous_format) for g in grads
+            ]
+        for b, g in zip(self.buffer, grads, strict=True):
+            b.add_(g)
+        self.pending += 1
+        if self.pending < self.every:
+            return False
+        mean = [b.div_(self.pending) for b in self.buffer]
+        if self.momentum_buffers is None:
+            self.momentum_buffers = [m.clone() for m in mean]
+        else:
+            for m, g in zip(self.momentum_buffers, mean, strict=True):
+                m.mul_(self.momentum).add_(g)
+        self.buffer, self.pending = None, 0
+        return True
+
+
+def spans(numel: int, size: int = CHUNK_VALUES) -> Iterator[tuple[int, int]]:
+    """[start, stop) ranges of at most `size` values covering `numel` values."""
+    for start in range(0, numel, size):
+        yield start, min(start + size, numel)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a contiguous tensor (the server's tensors all are)."""
+    if not t.is_contiguous():
+        raise ValueError("outer optimizer tensors must be contiguous")
+    return t.view(-1)
+
+
+def _largest(tensors: list[torch.Tensor]) -> int:
+    return max((t.numel() for t in tensors), default=0)

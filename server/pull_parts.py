@@ -3,6 +3,10 @@
     parts = snapshot_parts(params)                  # == encode_fragment(params, "fp32")
     parts = chain_parts(have_version, logged)       # == FragmentUpdates(...).SerializeToString()
 
+A snapshot's big parts are TensorBytes: the parameters' bytes read in place, sliced (copied)
+a pull chunk at a time, and copied whole only if the parameters change while a pull still
+streams them (TensorBytes.freeze).
+
 Why: the server answers every pull of a version with the same bytes. Serializing a whole
 message per answer cost, for each snapshot, about four model-sized buffers (the tensors'
 bytes, their copies inside the EncodedTensor messages, the merged EncodedFragment and its
@@ -17,6 +21,7 @@ byte-equal to protobuf's own serialization.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -25,26 +30,90 @@ from common.checksum import crc32
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 _LENGTH_DELIMITED = 2
+# Snapshot payloads smaller than this are copied (servicer.py joins small parts as bytes).
+COPY_BELOW_BYTES = 64 << 10
+# Values checked for finiteness at a time (a bool temporary of this many bytes).
+_FINITE_CHECK_VALUES = 1 << 20
 
 
-def snapshot_parts(params: Sequence[torch.Tensor]) -> tuple[bytes, ...]:
-    """The serialized fp32 EncodedFragment of `params` (encode_fragment's bytes), in parts;
-    one copy of the parameters' bytes, nothing else of their size. Raises ValueError for a
-    non-finite value, as common.codec.encode does."""
-    parts: list[bytes] = []
+def snapshot_parts(
+    params: Sequence[torch.Tensor], lock: threading.Lock | None = None
+) -> tuple[Part, ...]:
+    """The serialized fp32 EncodedFragment of `params` (encode_fragment's bytes), in parts
+    whose payloads are the parameters' own bytes, read in place (TensorBytes): no copy of
+    the parameters is made unless they change while a pull still streams them. Raises
+    ValueError for a non-finite value, as common.codec.encode does."""
+    lock = lock or threading.Lock()
+    parts: list[Part] = []
     for t in params:
-        flat = t.detach().reshape(-1).to(torch.float32)
-        if not bool(torch.isfinite(flat).all()):
-            raise ValueError("cannot encode a tensor with NaN or infinite values")
-        payload = flat.cpu().numpy().tobytes()
-        # EncodedTensor fields in number order: codec, shape | payload | scales (none), crc32.
-        head = pb.EncodedTensor(codec=pb.CODEC_FP32, shape=list(t.shape)).SerializeToString()
-        if payload:
-            head += _field_header(3, len(payload))
-        tail = pb.EncodedTensor(crc32=crc32(b"", crc32(payload))).SerializeToString()
-        size = len(head) + len(payload) + len(tail)
-        parts += (_field_header(1, size) + head, payload, tail)
-    return tuple(part for part in parts if part)
+        payload: Part = TensorBytes(t, lock)
+        if len(payload) < COPY_BELOW_BYTES:  # small: a plain copy, joined with its framing
+            payload = bytes(payload)
+        parts += tensor_parts(pb.CODEC_FP32, tuple(t.shape), payload, b"")
+    return tuple(part for part in parts if len(part))
+
+
+class TensorBytes:
+    """The float32 bytes of a contiguous CPU tensor as a pull part, read in place.
+
+    Slicing returns a copy of the slice (what a pull sends, PULL_CHUNK_BYTES at a time). The
+    owner of the tensor calls `freeze()`, under `lock`, before it changes the tensor: a pull
+    still streaming this part then reads a copy of the old bytes, so every pull answer is
+    one version's bytes. Why: a snapshot held as bytes cost one model copy from the first
+    pull of a version to the next version, and one per version still being streamed.
+    """
+
+    def __init__(self, tensor: torch.Tensor, lock: threading.Lock) -> None:
+        flat = tensor.detach().reshape(-1)
+        if (
+            flat.dtype != torch.float32
+            or flat.device.type != "cpu"
+            or flat.data_ptr() != (tensor.data_ptr())
+        ):
+            raise ValueError("TensorBytes needs a contiguous float32 CPU tensor")
+        for start in range(0, flat.numel(), _FINITE_CHECK_VALUES):
+            if not bool(torch.isfinite(flat[start : start + _FINITE_CHECK_VALUES]).all()):
+                raise ValueError("cannot encode a tensor with NaN or infinite values")
+        self._view: memoryview | None = memoryview(flat.numpy()).cast("B")
+        self._frozen: bytes | None = None
+        self._lock = lock
+
+    def __len__(self) -> int:
+        return len(self._frozen) if self._view is None else self._view.nbytes
+
+    def __getitem__(self, key: slice) -> bytes:
+        with self._lock:
+            if self._view is None:
+                return self._frozen[key]
+            return self._view[key].tobytes()
+
+    def __bytes__(self) -> bytes:
+        return self[:]
+
+    def buffer(self) -> memoryview | bytes:
+        """The bytes without a copy, for a checksum (call while the tensor cannot change)."""
+        return self._frozen if self._view is None else self._view
+
+    def freeze(self) -> None:
+        """Keep a copy of the bytes, to serve after the tensor changes; call under the lock."""
+        if self._view is not None:
+            self._frozen, self._view = self._view.tobytes(), None
+
+
+def tensor_parts(codec: int, shape: Sequence[int], payload: Part, scales: Part) -> list[Part]:
+    """One `tensors` entry of a serialized EncodedFragment (codec.encode's message with its
+    field tag), as [framing, payload, framing, scales, framing]: the payload and scales are
+    passed through uncopied (bytes, a memoryview of a uint8 array, or TensorBytes)."""
+    n_payload, n_scales = len(payload), memoryview(scales).nbytes
+    payload_buffer = payload.buffer() if isinstance(payload, TensorBytes) else payload
+    # EncodedTensor fields in number order: codec, shape | payload | scales | crc32.
+    head = pb.EncodedTensor(codec=codec, shape=list(shape)).SerializeToString()
+    if n_payload:
+        head += _field_header(3, n_payload)
+    middle = _field_header(4, n_scales) if n_scales else b""
+    tail = pb.EncodedTensor(crc32=crc32(scales, crc32(payload_buffer))).SerializeToString()
+    size = len(head) + n_payload + len(middle) + n_scales + len(tail)
+    return [_field_header(1, size) + head, payload, middle, scales, tail]
 
 
 def chain_parts(have_version: int, updates: Iterable[bytes]) -> tuple[bytes, ...]:
@@ -69,3 +138,7 @@ def _varint(value: int) -> bytes:
         value >>= 7
     out.append(value)
     return bytes(out)
+
+
+# A piece of a pull answer: bytes, a memoryview of a uint8 array, or a tensor's bytes.
+Part = bytes | memoryview | TensorBytes

@@ -126,8 +126,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if initial:
                 version = agg.initialize(header.session_id, fid, decode_fragment(payload, shapes))
             else:
-                body = slot.parse(payload, shapes)
-                del payload  # the body holds the tensors' bytes; the rest can go now
+                # The body holds copies of the tensors' bytes; the payload is freed as soon
+                # as protobuf has parsed it (release).
+                body = slot.parse(payload, shapes, release=True)
                 version = agg.push(
                     header.session_id,
                     fid,

@@ -1,11 +1,15 @@
 """The state directory: restart resumes every version with its optimizer state; a torn or
 corrupt log tail is detected and dropped, never loaded blindly."""
 
+import io
+import struct
+import zlib
+
 import pytest
 import torch
 
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
-from server.durable import StateStore
+from server.durable import LogRecord, StateStore
 
 SPECS = [ParamSpec("blocks.0.w", (8, 4), "float32"), ParamSpec("blocks.1.w", (40,), "float32")]
 
@@ -101,3 +105,31 @@ def test_crash_between_snapshot_and_log_reset_replays_nothing_twice(tmp_path) ->
     assert [restarted.version(0), restarted.version(1)] == [3, 3]
     for a, b in zip(state(agg), state(restarted), strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_records_keep_async_momentum_every_and_old_records_still_load(tmp_path) -> None:
+    store = StateStore(tmp_path)
+    mean = [torch.randn(3, 5), torch.randn(0), torch.randn(7)]
+    store.append(LogRecord(1, 4, mean, outer_every=3))
+    # A record as written before raw records (torch.save payload, magic DLR1).
+    buffer = io.BytesIO()
+    torch.save({"fragment": 0, "version": 9, "mean": mean[:1]}, buffer)
+    payload = buffer.getvalue()
+    with open(store.log_path, "ab") as f:
+        f.write(struct.pack("<4sQI", b"DLR1", len(payload), zlib.crc32(payload)) + payload)
+    raw, old = list(store.replay())
+    assert (raw.fragment_id, raw.version, raw.outer_every) == (1, 4, 3)
+    assert all(torch.equal(a, b) for a, b in zip(raw.mean, mean, strict=True))
+    assert (old.fragment_id, old.version, old.outer_every) == (0, 9, 0)
+    assert torch.equal(old.mean[0], mean[0])
+
+
+def test_a_record_claiming_more_bytes_than_the_file_holds_is_a_torn_tail(tmp_path) -> None:
+    store = StateStore(tmp_path)
+    store.append(LogRecord(0, 1, [torch.ones(4)]))
+    store.close()
+    good = store.log_path.stat().st_size
+    with open(store.log_path, "ab") as f:  # a header announcing 1 TB, then nothing
+        f.write(struct.pack("<4sQI", b"DLR2", 1 << 40, 0))
+    assert [r.version for r in store.replay()] == [1]
+    assert store.log_path.stat().st_size == good

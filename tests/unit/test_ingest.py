@@ -44,6 +44,20 @@ def test_sum_from_wire_encoding_is_bit_identical_to_decoded_sum(codec: str) -> N
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("codec", ["fp32", "fp4_e2m1"])
+def test_sums_into_a_reused_buffer_and_from_a_released_payload_are_the_same(codec: str) -> None:
+    slot, data = IngestSlot(), encode_fragment(deltas(4), codec)
+    fresh = slot.parse(data, SHAPES).add_to(None, 0.5)
+    payload = bytearray(data)
+    body = slot.parse(payload, SHAPES, release=True)
+    assert len(payload) == 0  # freed as soon as protobuf parsed it
+    reused = body.add_to([torch.full(s, 7.0) for s in SHAPES], 0.5, overwrite=True)
+    dense = DenseBody(decode_fragment(data, SHAPES))
+    dense_reused = dense.add_to([torch.full(s, 7.0) for s in SHAPES], 0.5, overwrite=True)
+    for a, b, c in zip(bits(fresh), bits(reused), bits(dense_reused), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
 def fp32_tensor_with(value: float) -> pb.EncodedTensor:
     t = torch.zeros(SHAPES[0])
     t.view(-1)[CHUNK_VALUES + 3] = value  # in the second chunk

@@ -8,8 +8,12 @@ import torch
 from common.codec import encode
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import apply_updates, encode_fragment
-from server.pull_parts import chain_parts, snapshot_parts
+from server.pull_parts import TensorBytes, chain_parts, snapshot_parts
 from server.servicer import SMALL_PART_BYTES, _pieces
+
+
+def joined(parts) -> bytes:
+    return b"".join(bytes(p) if isinstance(p, TensorBytes) else p for p in parts)
 
 
 @pytest.mark.parametrize(
@@ -24,15 +28,22 @@ from server.servicer import SMALL_PART_BYTES, _pieces
 def test_snapshot_parts_equal_encode_fragment(shapes) -> None:
     torch.manual_seed(0)
     params = [torch.randn(shape) for shape in shapes]
-    assert b"".join(snapshot_parts(params)) == encode_fragment(params, "fp32")
+    assert joined(snapshot_parts(params)) == encode_fragment(params, "fp32")
+    assert b"".join(_pieces(snapshot_parts(params), 1000)) == encode_fragment(params, "fp32")
 
 
-def test_snapshot_parts_share_one_buffer_per_tensor() -> None:
+def test_snapshot_parts_read_the_parameters_in_place() -> None:
     params = [torch.randn(300, 100), torch.randn(50)]
     parts = snapshot_parts(params)
     big = [p for p in parts if len(p) >= SMALL_PART_BYTES]
     assert [len(p) for p in big] == [300 * 100 * 4]  # the 50-value tensor is small
-    assert big[0] == params[0].numpy().tobytes()
+    assert isinstance(big[0], TensorBytes)
+    assert bytes(big[0]) == params[0].numpy().tobytes()
+    params[0][0, 0] = 7.0  # no copy: a change shows ...
+    assert big[0][:4] == params[0][0, :1].numpy().tobytes()
+    big[0].freeze()  # ... until the owner freezes the part before changing the tensor
+    params[0][0, 0] = 8.0
+    assert big[0][:4] == torch.tensor([7.0]).numpy().tobytes()
 
 
 def test_snapshot_parts_refuse_non_finite_values() -> None:
