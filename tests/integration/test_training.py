@@ -193,3 +193,56 @@ def test_sigterm_reaches_a_learner_waiting_at_a_merge(start_service, start_learn
         stalled.send_signal(signal.SIGCONT)
         stalled.send_signal(signal.SIGTERM)
         stalled.wait(timeout=60)
+
+
+@pytest.mark.parametrize("align", [True, False], ids=["aligned", "control"])
+def test_quorum_learners_fall_back_in_phase_after_a_stall(
+    start_service, start_learner, tmp_path, align
+):
+    """quorum mode: a learner stalled for a while (shorter than its lease) comes back with
+    its schedule behind; schedule alignment steers it back, so rounds again gather both
+    learners. The control (--no-align-schedule) shows the test can tell the difference."""
+    h = 40  # P = 2: a push every 20 steps; the grace window is 5 steps
+    service = start_service(lease_s=3.0, mode="quorum", fragments=2, grace_max_s=1.0)
+    agg = service.aggregator
+    contributors: list[int] = []
+    report = agg.events.round_closed
+
+    def record(count: int, round_s: float, outer_step_s: float) -> None:
+        contributors.append(count)
+        report(count, round_s, outer_step_s)
+
+    agg.events.round_closed = record
+    flags = [
+        "--n-layer", "2", "--sync-every-steps", str(h), "--overlap-steps", "1",
+        "--slowdown", "8", "--max-outer-steps", "100000",
+        *([] if align else ["--no-align-schedule"]),
+    ]  # fmt: skip
+    a = start_learner(service.port, "a", *flags)
+    b = start_learner(service.port, "b", *flags)
+    try:
+        assert agg.wait_for_version(0, 3, timeout_s=120) >= 3, learner_log(tmp_path, "b")
+        # Stall b for 30 of its steps: half the 20 steps between pushes, plus one spacing,
+        # so without alignment its pushes land 10 steps from a's, twice the grace window.
+        step_s = agg.median_step_time_s()
+        b.send_signal(signal.SIGSTOP)
+        time.sleep(30 * step_s)
+        b.send_signal(signal.SIGCONT)
+        time.sleep(5.0)  # a few heartbeats: time to catch up, one schedule step per inner step
+        seen = len(contributors)
+        deadline = time.monotonic() + 90
+        while len(contributors) < seen + 12 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        for proc in (a, b):
+            proc.send_signal(signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+    for proc in (a, b):
+        assert proc.wait(timeout=60) == 0
+    recent = contributors[seen : seen + 12]
+    assert len(recent) == 12, f"only {len(recent)} rounds closed in 90 s"
+    full = sum(1 for n in recent if n == 2)
+    if align:
+        assert full >= 9, f"rounds after the stall had {recent} contributors"
+    else:
+        assert full <= 4, f"without alignment rounds stayed full: {recent}"
