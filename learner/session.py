@@ -217,8 +217,13 @@ class SyncSession:
 
     def _set_phase_error(self, cluster_step: int, my_step: int) -> None:
         """Record how far the live learners' schedule (from a heartbeat) is from this
-        learner's when it asked; within PHASE_DEADBAND steps counts as in phase."""
+        learner's when it asked; within PHASE_DEADBAND steps counts as in phase.
+
+        Only the phase matters (pushes repeat every H steps), so the error is taken modulo
+        H, into [-H/2, H/2): a learner whole periods off never pauses its pushes for long."""
         error = cluster_step - my_step if cluster_step > 0 and my_step > 0 else 0
+        h = self.config.sync_every_steps
+        error = (error + h // 2) % h - h // 2
         with self._phase_lock:
             self._phase_debt = error if abs(error) >= PHASE_DEADBAND else 0
 

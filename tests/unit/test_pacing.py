@@ -156,3 +156,16 @@ def test_no_steering(align, blocking, cluster, mine) -> None:
         assert s.step == 103
     finally:
         s.client.close()
+
+
+def test_only_the_phase_is_corrected_not_whole_periods() -> None:
+    s = steered()  # H = 8
+    try:
+        s._set_phase_error(cluster_step=100 - 5 * 8 + 3, my_step=100)  # 5 periods ahead, 3 behind
+        assert s._phase_debt == 3
+        s._set_phase_error(cluster_step=100 + 7, my_step=100)  # 7 behind = 1 ahead: in phase
+        assert s._phase_debt == 0
+        s._set_phase_error(cluster_step=100 + 4 * 8 - 3, my_step=100)
+        assert s._phase_debt == -3
+    finally:
+        s.client.close()
