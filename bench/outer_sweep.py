@@ -3,6 +3,7 @@
     python bench/outer_sweep.py              # 300 steps, 5 variants, ~4 minutes
     python bench/outer_sweep.py --steps 1000
     python bench/outer_sweep.py --method streaming --pairs 0.7,0.9 1.0,0.8 --steps 1000
+    python bench/outer_sweep.py --method streaming --pairs 0.7,0.9 --merge-alphas 0 0.25
 
 Same setup as bench/quality.py (K = 4, the same model and data), plain DiLoCo (one
 fragment, fp32 wire) or Streaming DiLoCo (quality.py's variant (d): P = 4, τ = 1, α = 0.5,
@@ -40,6 +41,13 @@ def main() -> int:
         help="outer lr,momentum pairs",
     )
     parser.add_argument("--eval-batches", type=int, default=16)
+    parser.add_argument(
+        "--merge-alphas",
+        nargs="+",
+        type=float,
+        default=[0.5],
+        help="streaming only: merge alpha values, each run with every pair",
+    )
     args = parser.parse_args()
     setup = Setup(steps=args.steps, eval_every=100, eval_batches=args.eval_batches)
     h = args.sync_every_steps
@@ -52,15 +60,18 @@ def main() -> int:
         "pull_codec": "fp4_e2m1",
     }
     label = "Streaming fp4+overlap" if args.method == "streaming" else "DiLoCo"
+    alphas = args.merge_alphas if args.method == "streaming" else [0.0]
     todo = [Variant(name="data-parallel", kind="dp")] + [
         Variant(
-            name=f"{label} H={h} outer lr {lr} momentum {m}",
+            name=f"{label} H={h} outer lr {lr} momentum {m}"
+            + (f" alpha {alpha}" if args.method == "streaming" else ""),
             sync_every_steps=h,
             outer_lr=lr,
             outer_momentum=m,
-            **(streaming if args.method == "streaming" else {}),
+            **({**streaming, "merge_alpha": alpha} if args.method == "streaming" else {}),
         )
         for lr, m in pairs
+        for alpha in alphas
     ]
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
