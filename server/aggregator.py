@@ -448,10 +448,12 @@ class Aggregator:
 
         def record(mean: list[torch.Tensor]) -> None:
             # Durable before the lock is released and the version served.
-            if store is not None:
-                store.append(LogRecord(fragment.fragment_id, fragment.version, mean, every))
+            assert store is not None
+            store.append(LogRecord(fragment.fragment_id, fragment.version, mean, every))
 
-        summary = fragment.close_round(self._expected_weight(fragment.round), record)
+        summary = fragment.close_round(
+            self._expected_weight(fragment.round), record if store is not None else None
+        )
         round_s = self._clock() - opened_at if opened_at is not None else 0.0
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
         if store is not None:
