@@ -364,7 +364,12 @@ class Aggregator:
         cfg = self.config
         if cfg.mode == "async":
             return DelayedNesterov(cfg.outer_lr, cfg.outer_momentum, cfg.async_momentum_every or 1)
-        return NesterovOuter(cfg.outer_lr, cfg.outer_momentum)
+        return NesterovOuter(
+            cfg.outer_lr,
+            cfg.outer_momentum,
+            warmup_rounds=cfg.outer_momentum_warmup_rounds,
+            warmup_start=cfg.outer_momentum_warmup_start,
+        )
 
     def _check_header(
         self, session_id: str, fragment_id: int, base_version: int, initial: bool

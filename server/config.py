@@ -47,6 +47,12 @@ class AggregatorConfig:
     """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum (0.9 in DiLoCo)."""
+    outer_momentum_warmup_rounds: int = 0
+    """sync/quorum: raise the outer momentum linearly from outer_momentum_warmup_start to
+    outer_momentum over each fragment's first N outer steps (0: off, torch's SGD exactly).
+    Helps a model trained from scratch (README, quality results)."""
+    outer_momentum_warmup_start: float = 0.5
+    """The outer momentum of the first outer step when the warm-up is on."""
     fragments: int = 1
     """P, the number of fragments the parameters are split into (Streaming DiLoCo)."""
     layout: str = "strided"
@@ -83,6 +89,21 @@ class AggregatorConfig:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_momentum_warmup_rounds < 0:
+            raise ValueError(
+                "outer_momentum_warmup_rounds must be >= 0, "
+                f"got {self.outer_momentum_warmup_rounds}"
+            )
+        if not 0 <= self.outer_momentum_warmup_start < 1:
+            raise ValueError(
+                "outer_momentum_warmup_start must be in [0, 1), "
+                f"got {self.outer_momentum_warmup_start}"
+            )
+        if self.outer_momentum_warmup_rounds and self.mode == "async":
+            raise ValueError(
+                "outer_momentum_warmup_rounds is for sync and quorum modes; async mode's "
+                "Delayed Nesterov has no warm-up"
+            )
         if self.fragments < 1:
             raise ValueError(f"fragments must be >= 1, got {self.fragments}")
         if self.layout not in LAYOUTS:

@@ -30,23 +30,43 @@ class OuterOptimizer(Protocol):
         """`update`, a chunk at a time: (tensor index, first value, float32 values)."""
 
 
+def warmed_momentum(momentum: float, start: float, rounds: int, taken: int) -> float:
+    """The momentum of outer step `taken` (0-based) under a linear warm-up from `start` to
+    `momentum` over the first `rounds` steps; `rounds` = 0: always `momentum`.
+
+    Why: from a random start the pseudo-gradients turn quickly, and momentum 0.9 amplifies
+    each step up to lr/(1-momentum) = 7x along a direction that is already stale; a model
+    trained from scratch falls behind in its first rounds and never makes it up
+    (bench/quality.py). Lower momentum early and the full value later avoids that.
+    """
+    if taken >= rounds:
+        return momentum
+    return start + (momentum - start) * taken / rounds
+
+
 @dataclass
 class NesterovOuter:
-    """Momentum buffers for one fragment's tensors; `step` updates params in place."""
+    """Momentum buffers for one fragment's tensors; `step` updates params in place.
+
+    With `warmup_rounds` > 0 the momentum rises linearly from `warmup_start` to `momentum`
+    over the first outer steps (`warmed_momentum`); with 0 it is torch's SGD exactly.
+    """
 
     lr: float = 0.7
     momentum: float = 0.9
     momentum_buffers: list[torch.Tensor] | None = field(default=None)
+    warmup_rounds: int = 0
+    warmup_start: float = 0.5
+    steps_taken: int = 0
 
     def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Advance the momentum and return the Nesterov update −lr·(g + momentum·buf).
 
         Used with quantized pulls, where the server adds a quantized copy of this update.
         """
-        buffers = self._advance_momentum(grads)
+        buffers, momentum = self._advance_momentum(grads)
         return [
-            g.add(buf, alpha=self.momentum).mul_(-self.lr)
-            for g, buf in zip(grads, buffers, strict=True)
+            g.add(buf, alpha=momentum).mul_(-self.lr) for g, buf in zip(grads, buffers, strict=True)
         ]
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -55,36 +75,41 @@ class NesterovOuter:
         Made a chunk at a time with torch's own operations (p += −lr·(g + momentum·buf)):
         element-wise, so bit-identical to the whole-tensor step, with no full-size temporary.
         """
-        buffers = self._advance_momentum(grads)
+        buffers, momentum = self._advance_momentum(grads)
         scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
         for p, g, buf in zip(params, grads, buffers, strict=True):
             flat_p, flat_g, flat_buf = _flat(p), _flat(g), _flat(buf)
             for start, stop in spans(flat_g.numel()):
                 out = scratch[: stop - start]
-                torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=self.momentum, out=out)
+                torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=momentum, out=out)
                 flat_p[start:stop].add_(out, alpha=-self.lr)
 
     def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Advance the momentum, then yield the update of `update` a chunk at a time:
         (tensor index, first value, float32 values), each valid until the next is asked for.
         The same operations as `update` on slices, so the same values."""
-        buffers = self._advance_momentum(grads)
+        buffers, momentum = self._advance_momentum(grads)
         scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
         for i, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
             flat_g, flat_buf = _flat(g), _flat(buf)
             for start, stop in spans(flat_g.numel()):
                 out = scratch[: stop - start]
-                torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=self.momentum, out=out)
+                torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=momentum, out=out)
                 yield i, start, out.mul_(-self.lr)
 
-    def _advance_momentum(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _advance_momentum(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
+        """Advance the buffers; returns them and the momentum of this step."""
+        momentum = warmed_momentum(
+            self.momentum, self.warmup_start, self.warmup_rounds, self.steps_taken
+        )
+        self.steps_taken += 1
         if self.momentum_buffers is None:
             # torch starts the buffer as a copy of the first gradient.
             self.momentum_buffers = [g.detach().clone() for g in grads]
         else:
             for buf, g in zip(self.momentum_buffers, grads, strict=True):
-                buf.mul_(self.momentum).add_(g)
-        return self.momentum_buffers
+                buf.mul_(momentum).add_(g)
+        return self.momentum_buffers, momentum
 
 
 @dataclass

@@ -5,6 +5,7 @@ import torch
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.outer import NesterovOuter
 from tests.fakes import FakeClock
 
 SHAPES = [(3, 4), (5,)]
@@ -40,6 +41,40 @@ def test_outer_step_matches_torch_sgd_nesterov_on_mean_of_different_deltas() -> 
         sgd.step()
         for got, want in zip(agg.params(0), reference, strict=True):
             assert torch.equal(got, want.detach()), f"round {rnd}"
+
+
+def test_outer_momentum_warmup_is_torch_sgd_with_a_rising_momentum() -> None:
+    """Momentum 0.5, 0.6, 0.7, 0.8, then 0.9 from the fifth step on, exactly as torch's SGD
+    given that momentum at each step."""
+    warm = {"outer_momentum_warmup_rounds": 4, "outer_momentum_warmup_start": 0.5}
+    agg, sessions, _ = make(2, outer_lr=0.7, outer_momentum=0.9, pull_codec="fp32", **warm)
+    reference = [torch.nn.Parameter(t.clone()) for t in tensors(0)]
+    sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
+    for rnd in range(7):
+        deltas = [tensors(100 * rnd + i) for i in range(2)]
+        for session, delta in zip(sessions, deltas, strict=True):
+            agg.push(session, 0, rnd, delta)
+        sgd.param_groups[0]["momentum"] = min(0.9, 0.5 + 0.1 * rnd)
+        for i, p in enumerate(reference):
+            p.grad = (deltas[0][i] + deltas[1][i]) / 2
+        sgd.step()
+        for got, want in zip(agg.params(0), reference, strict=True):
+            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+
+
+def test_outer_momentum_warmup_reaches_the_quantized_pull_path() -> None:
+    """With 4-bit pulls the server applies `update_chunks`; it must warm up like `step`."""
+    warm = NesterovOuter(0.7, 0.9, warmup_rounds=3, warmup_start=0.2)
+    chunked = NesterovOuter(0.7, 0.9, warmup_rounds=3, warmup_start=0.2)
+    params = tensors(0)
+    for rnd in range(5):
+        grads = tensors(10 + rnd)
+        before = [p.clone() for p in params]
+        warm.step(params, grads)
+        for i, start, values in chunked.update_chunks(grads):
+            moved = (params[i] - before[i]).view(-1)[start : start + values.numel()]
+            torch.testing.assert_close(moved, values, rtol=0, atol=1e-6)
+    assert warm.steps_taken == chunked.steps_taken == 5
 
 
 def test_round_waits_for_every_live_learner() -> None:
@@ -154,3 +189,9 @@ def test_config_errors_name_the_field() -> None:
         AggregatorConfig(outer_momentum=1.0)
     with pytest.raises(ValueError, match="mode"):
         AggregatorConfig(mode="gossip")
+    with pytest.raises(ValueError, match="outer_momentum_warmup_rounds"):
+        AggregatorConfig(outer_momentum_warmup_rounds=-1)
+    with pytest.raises(ValueError, match="outer_momentum_warmup_start"):
+        AggregatorConfig(outer_momentum_warmup_start=1.0)
+    with pytest.raises(ValueError, match="async"):
+        AggregatorConfig(mode="async", outer_momentum_warmup_rounds=10)

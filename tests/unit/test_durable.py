@@ -41,8 +41,15 @@ def state(agg: Aggregator) -> list[list[torch.Tensor]]:
 
 @pytest.mark.parametrize("pull_codec", ["fp4_e2m1", "fp32"])
 @pytest.mark.parametrize("snapshot_every", [1, 4, 100])
-def test_restart_resumes_exactly_where_it_stopped(tmp_path, pull_codec, snapshot_every) -> None:
-    config = {"pull_codec": pull_codec, "snapshot_every_versions": snapshot_every}
+@pytest.mark.parametrize("warmup_rounds", [0, 12])  # 12: killed mid momentum warm-up
+def test_restart_resumes_exactly_where_it_stopped(
+    tmp_path, pull_codec, snapshot_every, warmup_rounds
+) -> None:
+    config = {
+        "pull_codec": pull_codec,
+        "snapshot_every_versions": snapshot_every,
+        "outer_momentum_warmup_rounds": warmup_rounds,
+    }
     agg, s = start(tmp_path, **config)
     initialize_both(agg, s)
     run_rounds(agg, s, range(7))
