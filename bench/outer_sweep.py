@@ -4,6 +4,7 @@
     python bench/outer_sweep.py --steps 1000
     python bench/outer_sweep.py --method streaming --pairs 0.7,0.9 1.0,0.8 --steps 1000
     python bench/outer_sweep.py --method streaming --pairs 0.7,0.9 --merge-alphas 0 0.25
+    python bench/outer_sweep.py --method streaming --pairs 0.7,0.9 --warmup-rounds 20
 
 Same setup as bench/quality.py (K = 4, the same model and data), plain DiLoCo (one
 fragment, fp32 wire) or Streaming DiLoCo (quality.py's variant (d): P = 4, τ = 1, α = 0.5,
@@ -48,8 +49,15 @@ def main() -> int:
         default=[0.5],
         help="streaming only: merge alpha values, each run with every pair",
     )
+    parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=0,
+        help="outer momentum warm-up: rise from 0.5 to the momentum over this many rounds",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     args = parser.parse_args()
-    setup = Setup(steps=args.steps, eval_every=100, eval_batches=args.eval_batches)
+    setup = Setup(steps=args.steps, eval_every=100, eval_batches=args.eval_batches, seed=args.seed)
     h = args.sync_every_steps
     pairs = [tuple(float(x) for x in pair.split(",")) for pair in args.pairs]
     streaming = {
@@ -68,6 +76,7 @@ def main() -> int:
             sync_every_steps=h,
             outer_lr=lr,
             outer_momentum=m,
+            outer_momentum_warmup_rounds=args.warmup_rounds,
             **({**streaming, "merge_alpha": alpha} if args.method == "streaming" else {}),
         )
         for lr, m in pairs

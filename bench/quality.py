@@ -1,6 +1,6 @@
 """Does Streaming DiLoCo train as well as data-parallel while moving far fewer bytes?
 
-    python bench/quality.py            # full run (~25 min on 2 cores)
+    python bench/quality.py            # full run (~30 min on 2 cores)
     python bench/quality.py --quick    # shortened (<= 5 min), same outputs
 
 Same model, data, K learners and total tokens for: (a) data-parallel (the baseline: gradients
@@ -29,45 +29,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.simulate import Result, Setup, Variant, run_variant  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SMALL_H_TAG = "outer momentum 0.5"
+# The outer optimizer of every DiLoCo variant: the papers' Nesterov (lr 0.7, momentum 0.9),
+# its momentum warmed up linearly from 0.5 over each fragment's first 20 rounds (twice the
+# momentum's memory of 1/(1-0.9) rounds). From a random start, momentum 0.9 amplifies each
+# round's step ~7x along directions that turn quickly: without the warm-up plain DiLoCo at
+# H=10 trails data-parallel by ~11% (README).
+WARMUP_ROUNDS = 20
+# Streaming's merge weight of the local fragment. The issue's default is 0.5; with the
+# warm-up, a sweep (bench/outer_sweep.py --merge-alphas 0 0.05 0.1 0.25 --warmup-rounds 20)
+# found 0.05-0.1 best at H=10 and 0.05 at H=20: (d) runs 0.05.
+MERGE_ALPHA = 0.05
 
 
 def variants(h_values: list[int], fragments: int, tuning_h: int, tune: bool) -> list[Variant]:
     out = [Variant(name="(a) data-parallel", kind="dp")]
     for h in h_values:
-        out.append(Variant(name=f"(b) DiLoCo H={h}", sync_every_steps=h))
+        warm = {"sync_every_steps": h, "outer_momentum_warmup_rounds": WARMUP_ROUNDS}
+        out.append(Variant(name=f"(b) DiLoCo H={h}", **warm))
         out.append(
             Variant(
                 name=f"(d) Streaming fp4+overlap H={h}",
-                sync_every_steps=h,
                 fragments=fragments,
                 overlap_steps=1,
-                merge_alpha=0.5,
+                merge_alpha=MERGE_ALPHA,
                 push_codec="fp4_e2m1",
                 pull_codec="fp4_e2m1",
+                **warm,
             )
         )
-    out.append(
-        Variant(
-            name=f"(c) Streaming fp32 H={h_values[0]}",
-            sync_every_steps=h_values[0],
-            fragments=fragments,
-        )
-    )
+    h0 = h_values[0]
+    b0 = next(v for v in out if v.name == f"(b) DiLoCo H={h0}")
+    out.append(replace(b0, name=f"(c) Streaming fp32 H={h0}", fragments=fragments))
     if tune:
-        # Candidates that narrow the gap at large H. A quick sweep also tried outer lr 0.4
-        # (worse) and merge alpha 0 (worse); these two were the best and run by default.
-        default = next(v for v in out if v.name == f"(d) Streaming fp4+overlap H={tuning_h}")
+        # What the defaults above are worth, at H=10: the papers' plain outer step, and the
+        # issue's merge weight.
+        d0 = next(v for v in out if v.name == f"(d) Streaming fp4+overlap H={h0}")
         out += [
-            replace(default, name=f"(d) H={tuning_h} outer lr 1.0", outer_lr=1.0),
-            replace(default, name=f"(d) H={tuning_h} DP warm start 10%", warm_start_fraction=0.1),
+            replace(b0, name=f"(b) DiLoCo H={h0} no warm-up", outer_momentum_warmup_rounds=0),
+            replace(d0, name=f"(d) Streaming fp4+overlap H={h0} alpha 0.5", merge_alpha=0.5),
         ]
-        # At small H, outer momentum 0.9 amplifies each round's step about lr/(1-mu) = 7x
-        # and overshoots (bench/outer_sweep.py); momentum 0.5 was the best of that sweep.
-        h0 = h_values[0]
-        for kind in ("(b) DiLoCo", "(d) Streaming fp4+overlap"):
-            base = next(v for v in out if v.name == f"{kind} H={h0}")
-            out.append(replace(base, name=f"{kind} H={h0} {SMALL_H_TAG}", outer_momentum=0.5))
+        # Candidates that narrow the gap at large H (a 10% data-parallel warm start was
+        # measured before and does not pay for its bytes: README). At H=50 the 20-round
+        # warm-up spans the whole run.
+        default = next(v for v in out if v.name == f"(d) Streaming fp4+overlap H={tuning_h}")
+        # Outer lr 1.5 was measured too (+35% against +7.9% at 0.7; README) and dropped to
+        # keep the run within 30 minutes.
+        out.append(replace(default, name=f"(d) H={tuning_h} outer lr 1.0", outer_lr=1.0))
     return out
 
 
@@ -150,16 +157,6 @@ def check(rows: list[dict], h_values: list[int], tuning_h: int) -> list[str]:
         share <= 1.25 / fragments,
         f"peak sync bytes (c)/(b) = {share:.3f} (1/P = {1 / fragments:.3f})",
     )
-    b_small = by.get(f"(b) DiLoCo H={h0} {SMALL_H_TAG}")
-    d_small = by.get(f"(d) Streaming fp4+overlap H={h0} {SMALL_H_TAG}")
-    if b_small and d_small:
-        rel = d_small["eval_loss"] / b_small["eval_loss"] - 1
-        verdict(
-            d_small["gap_vs_dp"] <= 0.015,
-            f"H={h0}, {SMALL_H_TAG}: (d) within 1.5% of (a) "
-            f"({100 * d_small['gap_vs_dp']:+.2f}%; (b) {100 * b_small['gap_vs_dp']:+.2f}%; "
-            f"(d) vs (b) {100 * rel:+.2f}%)",
-        )
     tuned = [r for r in rows if r["name"].startswith(f"(d) H={tuning_h} ")]
     if not tuned:
         return lines
@@ -216,9 +213,15 @@ def main() -> int:
         help="inner learning rate over the run, the same for every variant: constant, or "
         "cosine (5%% linear warm-up, cosine decay to 10%%)",
     )
+    parser.add_argument("--seed", type=int, default=0, help="model init and data order")
     args = parser.parse_args()
     h_values, fragments, tuning_h = [10, 20, 50], 4, 50
-    common = {"device": args.device, "n_embd": args.n_embd, "lr_schedule": args.lr_schedule}
+    common = {
+        "device": args.device,
+        "n_embd": args.n_embd,
+        "lr_schedule": args.lr_schedule,
+        "seed": args.seed,
+    }
     setup = Setup(**common)
     if args.quick:
         setup = Setup(steps=150, eval_every=50, eval_batches=8, **common)

@@ -40,7 +40,7 @@ class Setup:
     eval_every: int = 100
     eval_batches: int = 32
     corpus_max_bytes: int = 4 << 20
-    seed: int = 0
+    seed: int = 0  # model init and data order
     device: str = "cpu"  # where the models train; the aggregator always runs on the CPU
     # Inner learning rate over the run: "constant", or "cosine" (linear warm-up over
     # warmup_fraction of the steps, then cosine decay to min_lr_ratio of inner_lr).
@@ -68,6 +68,8 @@ class Variant:
     pull_codec: str = "fp32"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)
+    outer_momentum_warmup_start: float = 0.5
     warm_start_fraction: float = 0.0  # of the steps, data-parallel before the learners split
 
 
@@ -152,6 +154,11 @@ def lr_factor(setup: Setup, step: int) -> float:
     return setup.min_lr_ratio + (1 - setup.min_lr_ratio) * cosine
 
 
+def _data_seed(setup: Setup) -> int:
+    """The first sampler's seed; learner i uses this + i. `seed` moves data order and init."""
+    return 1000 + 100 * setup.seed
+
+
 def _optimizer(setup: Setup, model: GPT) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=setup.inner_lr, weight_decay=setup.weight_decay)
 
@@ -172,7 +179,7 @@ def _run_data_parallel(setup, variant, model, train, eval_batches, steps=None) -
     `steps` < setup.steps runs only the start of the schedule (a warm start)."""
     steps = setup.steps if steps is None else steps
     k = setup.learners
-    sampler = BatchSampler(train, setup.batch_size * k, setup.block_size, seed=1000)
+    sampler = BatchSampler(train, setup.batch_size * k, setup.block_size, seed=_data_seed(setup))
     optimizer = _optimizer(setup, model)
     tokens_per_step = setup.batch_size * k * setup.block_size
     curve = [(0, evaluate(model, eval_batches))]
@@ -204,6 +211,8 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             pull_codec=variant.pull_codec,
             outer_lr=variant.outer_lr,
             outer_momentum=variant.outer_momentum,
+            outer_momentum_warmup_rounds=variant.outer_momentum_warmup_rounds,
+            outer_momentum_warmup_start=variant.outer_momentum_warmup_start,
             # The guard compares a push with its fragment's recent pushes; during a learning
             # rate warm-up each round's pseudo-gradient is legitimately several times the last.
             max_norm_ratio=0.0,
@@ -238,7 +247,9 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             tokens_per_step=setup.batch_size * setup.block_size,
         )
         sync.load_globals()
-        sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=1000 + i)
+        sampler = BatchSampler(
+            train, setup.batch_size, setup.block_size, seed=_data_seed(setup) + i
+        )
         learners.append((replica_model, _optimizer(setup, replica_model), sampler, sync))
     eval_model = GPT(setup.model_config()).to(setup.device)
     eval_params = [p for _, p in eval_model.named_parameters()]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.simulate import Setup, Variant, run_variant
+from bench.simulate import Setup, Variant, _data_seed, run_variant
 
 TINY = Setup(
     n_layer=1,
@@ -50,6 +50,17 @@ def test_inner_learning_rate_schedules() -> None:
     assert lr_factor(cosine, 100) == pytest.approx(0.1)
     with pytest.raises(ValueError, match="lr_schedule"):
         lr_factor(Setup(lr_schedule="linear"), 1)
+
+
+def test_seed_moves_model_init_and_data_order() -> None:
+    seeded = Setup(**{**TINY.__dict__, "seed": 1})
+    base, other = (
+        run_variant(TINY, Variant(name="dp", kind="dp")),
+        run_variant(seeded, Variant(name="dp", kind="dp")),
+    )
+    assert base.curve[0][1] != other.curve[0][1]  # another init
+    assert base.eval_loss != other.eval_loss
+    assert _data_seed(seeded) != _data_seed(TINY) == 1000  # seed 0: the published figures
 
 
 def test_benchmarks_train_on_the_learners_built_in_corpus() -> None:
