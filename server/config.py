@@ -99,6 +99,14 @@ class AggregatorConfig:
                 "outer_momentum_warmup_start must be in [0, 1), "
                 f"got {self.outer_momentum_warmup_start}"
             )
+        if (
+            self.outer_momentum_warmup_rounds
+            and self.outer_momentum_warmup_start > self.outer_momentum
+        ):
+            raise ValueError(
+                f"outer_momentum_warmup_start ({self.outer_momentum_warmup_start}) must not "
+                f"exceed outer_momentum ({self.outer_momentum}): a warm-up raises the momentum"
+            )
         if self.outer_momentum_warmup_rounds and self.mode == "async":
             raise ValueError(
                 "outer_momentum_warmup_rounds is for sync and quorum modes; async mode's "

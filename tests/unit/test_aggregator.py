@@ -59,10 +59,10 @@ def test_outer_momentum_warmup_is_torch_sgd_with_a_rising_momentum() -> None:
             p.grad = (deltas[0][i] + deltas[1][i]) / 2
         sgd.step()
         for got, want in zip(agg.params(0), reference, strict=True):
-            torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-6)
+            assert torch.equal(got, want.detach()), f"round {rnd}"
 
 
-def test_outer_momentum_warmup_reaches_the_quantized_pull_path() -> None:
+def test_update_chunks_warms_up_like_step() -> None:
     """With 4-bit pulls the server applies `update_chunks`; it must warm up like `step`."""
     warm = NesterovOuter(0.7, 0.9, warmup_rounds=3, warmup_start=0.2)
     chunked = NesterovOuter(0.7, 0.9, warmup_rounds=3, warmup_start=0.2)
@@ -195,3 +195,5 @@ def test_config_errors_name_the_field() -> None:
         AggregatorConfig(outer_momentum_warmup_start=1.0)
     with pytest.raises(ValueError, match="async"):
         AggregatorConfig(mode="async", outer_momentum_warmup_rounds=10)
+    with pytest.raises(ValueError, match="must not exceed outer_momentum"):
+        AggregatorConfig(outer_momentum=0.3, outer_momentum_warmup_rounds=10)

@@ -140,3 +140,28 @@ def test_a_record_claiming_more_bytes_than_the_file_holds_is_a_torn_tail(tmp_pat
         f.write(struct.pack("<4sQI", b"DLR2", 1 << 40, 0))
     assert [r.version for r in store.replay()] == [1]
     assert store.log_path.stat().st_size == good
+
+
+def test_a_snapshot_from_before_the_warmup_resumes_past_it_and_the_config_wins() -> None:
+    """An old snapshot has no step count: it took one outer step per version. The warm-up's
+    settings come from the config, whatever the snapshot says."""
+    from server.fragment import FragmentState
+    from server.outer import NesterovOuter
+
+    def fragment(warmup_rounds: int) -> FragmentState:
+        outer = NesterovOuter(warmup_rounds=warmup_rounds)
+        return FragmentState(0, [0], [(40,)], outer, "fp32", 16)
+
+    old = fragment(warmup_rounds=0)
+    old.initialize([torch.ones(40)])
+    for r in range(5):
+        old.apply_mean(delta(r)[1])
+    state = old.state_dict()
+    for name in ("steps_taken", "warmup_rounds", "warmup_start"):
+        del state["outer"][name]  # as written before the warm-up existed
+    resumed = fragment(warmup_rounds=20)
+    resumed.load_state_dict(state)
+    assert resumed.outer.steps_taken == 5 and resumed.outer.warmup_rounds == 20
+    new_state = fragment(warmup_rounds=3)
+    new_state.load_state_dict(old.state_dict())  # a snapshot saying warmup_rounds=0
+    assert new_state.outer.warmup_rounds == 3 and new_state.outer.steps_taken == 5
