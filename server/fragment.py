@@ -197,15 +197,7 @@ class FragmentState:
     def load_state_dict(self, state: dict) -> None:
         self.version = state["version"]
         self.params = state["params"]
-        outer = dict(state["outer"])
-        if hasattr(self.outer, "steps_taken"):
-            # The warm-up's settings come from the config, not the snapshot; a snapshot from
-            # before the warm-up existed has taken one outer step per version.
-            outer.pop("warmup_rounds", None)
-            outer.pop("warmup_start", None)
-            outer.setdefault("steps_taken", state["version"])
-        for name, value in outer.items():
-            setattr(self.outer, name, value)
+        self.outer.restore(state["outer"], state["version"])
         self._residual = state["residual"]
         self._updates.clear()
         self._update_bytes = 0

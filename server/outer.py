@@ -29,6 +29,9 @@ class OuterOptimizer(Protocol):
     def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
         """`update`, a chunk at a time: (tensor index, first value, float32 values)."""
 
+    def restore(self, state: dict, version: int) -> None:
+        """Load the state a snapshot saved (`vars()` of the optimizer) at fragment `version`."""
+
 
 def warmed_momentum(momentum: float, start: float, rounds: int, taken: int) -> float:
     """The momentum of outer step `taken` (0-based) under a linear warm-up from `start` to
@@ -58,6 +61,14 @@ class NesterovOuter:
     warmup_rounds: int = 0
     warmup_start: float = 0.5
     steps_taken: int = 0
+
+    def restore(self, state: dict, version: int) -> None:
+        """Load a snapshot's `vars()`. The warm-up's settings stay the config's; a snapshot
+        from before the warm-up existed took one outer step per version."""
+        state = {k: v for k, v in state.items() if k not in ("warmup_rounds", "warmup_start")}
+        state.setdefault("steps_taken", version)
+        for name, value in state.items():
+            setattr(self, name, value)
 
     def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Advance the momentum and return the Nesterov update −lr·(g + momentum·buf).
@@ -137,6 +148,11 @@ class DelayedNesterov:
             for u, m in zip(updates, self.momentum_buffers or [], strict=True):
                 u.add_(m, alpha=-self.lr * self.momentum)
         return updates
+
+    def restore(self, state: dict, version: int) -> None:
+        """Load a snapshot's `vars()`."""
+        for name, value in state.items():
+            setattr(self, name, value)
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         for i, start, u in self.update_chunks(grads):
