@@ -18,9 +18,11 @@ import dataclasses
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 import zlib
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -87,6 +89,7 @@ class Learner:
             self.model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay
         )
         self.progress = Progress(learner_id=config.learner_id, island_size=island.world_size)
+        self._slowdown = Slowdown(config.slowdown)
         tokens_per_step = config.batch_size * config.block_size * island.world_size
         self.session = (
             SyncSession(config, self.params, self.fingerprint, self.progress, tokens_per_step)
@@ -179,7 +182,7 @@ class Learner:
         self.progress.tokens += x.numel() * self.island.world_size
         self.progress.last_loss = loss.item()
         if self.config.slowdown > 1:  # a slower island: idle as if the step took longer
-            time.sleep((time.perf_counter() - t0) * (self.config.slowdown - 1))
+            time.sleep(self._slowdown.idle_s(time.perf_counter() - t0))
         self.progress.compute_s += time.perf_counter() - t0
 
     def _advance(self) -> tuple[bool, bool]:
@@ -307,6 +310,30 @@ class Learner:
 
     def save_params(self, path: str) -> None:
         torch.save({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}, path)
+
+
+class Slowdown:
+    """--slowdown k: after each step, idle k - 1 times as long as it took, as if the
+    hardware were k times slower.
+
+    A step that took far longer than the recent ones was paused (SIGSTOP, a preempted VM),
+    not slow: slower hardware would not stretch the pause. Unchecked, a 1-second pause
+    became an 8-second one at k = 8, which threw learners out of phase by whatever amount
+    happened to land in a step. So the idle time is based on at most PAUSE_FACTOR times the
+    median of the last WINDOW steps.
+    """
+
+    WINDOW = 16
+    PAUSE_FACTOR = 3.0
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self._recent: deque[float] = deque(maxlen=self.WINDOW)
+
+    def idle_s(self, step_s: float) -> float:
+        typical = statistics.median(self._recent) if self._recent else step_s
+        self._recent.append(step_s)
+        return (self.factor - 1) * min(step_s, self.PAUSE_FACTOR * typical)
 
 
 class _StatusClock:

@@ -35,6 +35,7 @@ from server.policy import (
     estimated_schedule_step,
     grace_window_s,
     median_step_time_s,
+    moved_on,
     staleness_discount,
 )
 
@@ -174,6 +175,19 @@ class Aggregator:
         """Where the live learners' schedule is now (server/policy.py); 0: none reported."""
         with self._cond:
             return self._schedule_estimate()
+
+    def schedule_steps(self) -> dict[str, float]:
+        """Each live learner's schedule step now, estimated as schedule_estimate does (its
+        last report moved on at the median step time), for those that have reported one.
+        Their differences modulo H are the learners' phase offsets."""
+        with self._cond:
+            now = self._clock()
+            step_time_s = median_step_time_s(s.step_time_s for s in self._sessions.values())
+            return {
+                s.learner_id: moved_on(s.schedule_step, s.schedule_at, now, step_time_s)
+                for s in self._sessions.values()
+                if s.schedule_step > 0
+            }
 
     def _schedule_estimate(self) -> int:
         sessions = self._sessions.values()

@@ -67,17 +67,19 @@ def estimated_schedule_step(
     mode rounds can close more than once per H steps, so fragment versions do not tell the
     schedule step (Schedule.resume_step assumes they do, which holds in sync mode only).
     """
-    estimates = [
-        step + (max(0.0, now - at) / step_time_s if step_time_s > 0 else 0.0)
-        for step, at in reports
-        if step > 0
-    ]
+    estimates = [moved_on(step, at, now, step_time_s) for step, at in reports if step > 0]
     if not estimates:
         return 0
     # Learners report any int64 and any step time (a subnormal one makes the estimate inf):
     # keep the answer an exact integer that fits the reply's int64 field.
     median = statistics.median(estimates)
     return int(median) if median < MAX_SCHEDULE_STEP else MAX_SCHEDULE_STEP
+
+
+def moved_on(step: int, at: float, now: float, step_time_s: float) -> float:
+    """A schedule step reported at clock time `at`, moved on to `now` at one step per
+    `step_time_s` (as reported when that is 0)."""
+    return step + (max(0.0, now - at) / step_time_s if step_time_s > 0 else 0.0)
 
 
 MAX_SCHEDULE_STEP = 2**53  # exact in float64; no run takes this many steps

@@ -196,13 +196,19 @@ def test_sigterm_reaches_a_learner_waiting_at_a_merge(start_service, start_learn
 
 
 @pytest.mark.parametrize("align", [True, False], ids=["aligned", "control"])
-def test_quorum_learners_fall_back_in_phase_after_a_stall(
+def test_quorum_learners_stay_in_phase_at_different_speeds(
     start_service, start_learner, tmp_path, align
 ):
-    """quorum mode: a learner stalled for a while (shorter than its lease) comes back with
-    its schedule behind; schedule alignment steers it back, so rounds again gather both
-    learners. The control (--no-align-schedule) shows the test can tell the difference."""
-    h = 40  # P = 2: a push every 20 steps; the grace window is 5 steps
+    """quorum mode: b runs 12.5% slower than a (--slowdown 9 against 8), so without help
+    its pushes drift through a's phase (~3 steps a second, a period of H = 40 steps in about
+    13 s) and most rounds close with one learner. Schedule alignment steers both towards the
+    same phase, so most rounds gather both. The control (--no-align-schedule) shows the
+    test can tell the difference (measured: 88-100% full rounds against 9-21%).
+
+    A drift the test sets, rather than a one-off stall as before: learners on shared cores
+    also drift on their own (measured up to ~5 steps a second), so a stall's offset did not
+    stay put long enough for the control to be judged, and CI failed on it."""
+    h = 40  # P = 2: each fragment is pushed every 40 steps; the grace window is 5 steps
     service = start_service(lease_s=3.0, mode="quorum", fragments=2, grace_max_s=1.0)
     agg = service.aggregator
     contributors: list[int] = []
@@ -215,33 +221,26 @@ def test_quorum_learners_fall_back_in_phase_after_a_stall(
     agg.events.round_closed = record
     flags = [
         "--n-layer", "2", "--sync-every-steps", str(h), "--overlap-steps", "1",
-        "--slowdown", "8", "--max-outer-steps", "100000",
-        *([] if align else ["--no-align-schedule"]),
+        "--max-outer-steps", "100000", *([] if align else ["--no-align-schedule"]),
     ]  # fmt: skip
-    a = start_learner(service.port, "a", *flags)
-    b = start_learner(service.port, "b", *flags)
+    a = start_learner(service.port, "a", *flags, "--slowdown", "8")
+    b = start_learner(service.port, "b", *flags, "--slowdown", "9")
     try:
         assert agg.wait_for_version(0, 3, timeout_s=120) >= 3, learner_log(tmp_path, "b")
-        # Stall b for 30 of its steps: half the 20 steps between pushes, plus one spacing,
-        # so without alignment its pushes land 10 steps from a's, twice the grace window.
-        step_s = agg.median_step_time_s()
-        b.send_signal(signal.SIGSTOP)
-        time.sleep(30 * step_s)
-        b.send_signal(signal.SIGCONT)
-        # Heartbeats come every second and b catches up one schedule step per inner step;
-        # how soon depends on the machine's load, so judge the last 12 rounds after 20 s.
         seen = len(contributors)
-        time.sleep(20.0)
+        time.sleep(16.0)
+        steps = agg.schedule_steps()
     finally:
         for proc in (a, b):
-            proc.send_signal(signal.SIGCONT)
             proc.send_signal(signal.SIGTERM)
     for proc in (a, b):
         assert proc.wait(timeout=60) == 0
-    recent = contributors[seen:][-12:]
-    assert len(recent) == 12, f"only {len(recent)} rounds closed in 20 s"
-    full = sum(1 for n in recent if n == 2)
+    window = contributors[seen:]
+    assert len(window) >= 8, f"only {len(window)} rounds closed in 16 s"
+    full_share = sum(1 for n in window if n == 2) / len(window)
+    offset = (steps["b"] - steps["a"] + h / 2) % h - h / 2
+    print(f"align={align}: b {offset:+.1f} steps from a; full rounds {full_share:.0%} {window}")
     if align:
-        assert full >= 9, f"rounds after the stall had {recent} contributors"
+        assert full_share >= 0.8, f"rounds had {window} contributors"
     else:
-        assert full <= 4, f"without alignment rounds stayed full: {recent}"
+        assert full_share <= 0.5, f"without alignment rounds stayed full: {window}"

@@ -6,7 +6,7 @@ import torch
 
 from learner.config import LearnerConfig
 from learner.session import SyncSession
-from learner.trainer import Progress
+from learner.trainer import Progress, Slowdown
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
 from server.policy import estimated_schedule_step, median_step_time_s
 from tests.fakes import FakeClock
@@ -87,6 +87,9 @@ def test_the_server_reports_where_the_schedule_is() -> None:
     agg.heartbeat(b, step_time_s=0.5, schedule_step=110)
     clock.now = 2.0
     assert agg.schedule_estimate() == 107  # median of 102 and 112
+    assert agg.schedule_steps() == {"a": 102.0, "b": 112.0}  # each learner's: their phases
+    agg.join("c", SPECS)
+    assert set(agg.schedule_steps()) == {"a", "b"}  # c has not reported yet
 
 
 class RecordingSync:
@@ -169,3 +172,14 @@ def test_only_the_phase_is_corrected_not_whole_periods() -> None:
         assert s._phase_debt == -3
     finally:
         s.client.close()
+
+
+def test_slowdown_idles_in_proportion_but_does_not_stretch_a_pause() -> None:
+    slow = Slowdown(8.0)
+    assert slow.idle_s(0.04) == pytest.approx(7 * 0.04)  # the first step: nothing to compare
+    for _ in range(10):
+        assert slow.idle_s(0.05) == pytest.approx(7 * 0.05)
+    assert slow.idle_s(0.12) == pytest.approx(7 * 0.12)  # a slow step (< 3x usual) counts
+    # A step that held a 1-second pause (SIGSTOP) idles as for 3 usual steps, not 8 s.
+    assert slow.idle_s(1.05) == pytest.approx(7 * 3 * 0.05)
+    assert Slowdown(1.0).idle_s(0.5) == 0.0
