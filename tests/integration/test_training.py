@@ -200,16 +200,21 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     start_service, start_learner, tmp_path, align
 ):
     """quorum mode: b runs 12.5% slower than a (--slowdown 9 against 8), so without help
-    its pushes drift through a's phase (~3 steps a second, a period of H = 40 steps in about
-    13 s) and most rounds close with one learner. Schedule alignment steers both towards the
-    same phase, so most rounds gather both. The control (--no-align-schedule) shows the
-    test can tell the difference (measured: 88-100% full rounds against 9-21%).
+    its pushes drift through a's phase (~3 steps a second against a period of H = 80) and
+    rounds close with one learner. Schedule alignment steers both towards the same phase,
+    so most rounds gather both. The control (--no-align-schedule) shows the test can tell
+    the difference (measured in 7 runs: 82-100% full rounds against 0-5%).
 
     A drift the test sets, rather than a one-off stall as before: learners on shared cores
     also drift on their own (measured up to ~5 steps a second), so a stall's offset did not
-    stay put long enough for the control to be judged, and CI failed on it."""
-    h = 40  # P = 2: each fragment is pushed every 40 steps; the grace window is 5 steps
-    service = start_service(lease_s=3.0, mode="quorum", fragments=2, grace_max_s=1.0)
+    stay put long enough for the control to be judged, and CI failed on it. The grace
+    window (8 steps) is well wider than the few steps (about 3) by which the steering, one
+    correction per heartbeat, lets two learners drifting 3 steps a second apart differ; at
+    most one pass of the control through it (16 of 80 steps of phase) fits in the 20 s."""
+    h = 80  # P = 2: each fragment is pushed every 80 steps; the grace window is 8 steps
+    service = start_service(
+        lease_s=3.0, mode="quorum", fragments=2, grace_steps=8.0, grace_max_s=1.0
+    )
     agg = service.aggregator
     contributors: list[int] = []
     report = agg.events.round_closed
@@ -228,7 +233,7 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     try:
         assert agg.wait_for_version(0, 3, timeout_s=120) >= 3, learner_log(tmp_path, "b")
         seen = len(contributors)
-        time.sleep(16.0)
+        time.sleep(20.0)
         steps = agg.schedule_steps()
     finally:
         for proc in (a, b):
@@ -236,11 +241,11 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     for proc in (a, b):
         assert proc.wait(timeout=60) == 0
     window = contributors[seen:]
-    assert len(window) >= 8, f"only {len(window)} rounds closed in 16 s"
+    assert len(window) >= 6, f"only {len(window)} rounds closed in 20 s"
     full_share = sum(1 for n in window if n == 2) / len(window)
     offset = (steps["b"] - steps["a"] + h / 2) % h - h / 2
     print(f"align={align}: b {offset:+.1f} steps from a; full rounds {full_share:.0%} {window}")
     if align:
-        assert full_share >= 0.7, f"rounds had {window} contributors"
+        assert full_share >= 0.6, f"rounds had {window} contributors"
     else:
-        assert full_share <= 0.5, f"without alignment rounds stayed full: {window}"
+        assert full_share <= 0.35, f"without alignment rounds stayed full: {window}"
