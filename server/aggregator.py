@@ -181,8 +181,7 @@ class Aggregator:
         last report moved on at the median step time), for those that have reported one.
         Their differences modulo H are the learners' phase offsets."""
         with self._cond:
-            now = self._clock()
-            step_time_s = median_step_time_s(s.step_time_s for s in self._sessions.values())
+            now, step_time_s = self._clock(), self.median_step_time_s()  # the lock is an RLock
             return {
                 s.learner_id: moved_on(s.schedule_step, s.schedule_at, now, step_time_s)
                 for s in self._sessions.values()
@@ -194,7 +193,7 @@ class Aggregator:
         return estimated_schedule_step(
             ((s.schedule_step, s.schedule_at) for s in sessions),
             self._clock(),
-            median_step_time_s(s.step_time_s for s in sessions),
+            self.median_step_time_s(),
         )
 
     def tick(self) -> None:
