@@ -96,7 +96,9 @@ def config_from_args(
     """Build and validate the config from file, environment and flags; a bad value exits
     with one line on stderr and exit code 2."""
     try:
-        values = resolve_values(cls, getattr(args, "config", None), environ or os.environ)
+        values = resolve_values(
+            cls, getattr(args, "config", None), os.environ if environ is None else environ
+        )
         names = {f.name for f in dataclasses.fields(cls)}
         values.update({k: v for k, v in vars(args).items() if k in names})
         return cls(**values)

@@ -29,9 +29,21 @@ from learner.metrics import learner_registry
 from learner.trainer import Learner
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every LearnerConfig field as a flag, plus --config (a TOML file)."""
     parser = argparse.ArgumentParser(prog="diloco-learner", description=__doc__.splitlines()[0])
     add_config_flags(parser, LearnerConfig)
+    return parser
+
+
+def parse_config(argv: list[str], environ: dict[str, str] | None = None) -> LearnerConfig:
+    """The config that `diloco-learner ARGV` runs with (tests build theirs the way users do)."""
+    parser = build_parser()
+    return config_from_args(parser, LearnerConfig, parser.parse_args(argv), environ or {})
+
+
+def main() -> None:
+    parser = build_parser()
     config = config_from_args(parser, LearnerConfig, parser.parse_args())
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     stop = threading.Event()

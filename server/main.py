@@ -18,9 +18,21 @@ from server.app import AggregatorService, ServerConfig
 from server.runtime import limit_malloc_arenas, single_threaded_torch, start_malloc_trimmer
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every ServerConfig field as a flag, plus --config (a TOML file)."""
     parser = argparse.ArgumentParser(prog="diloco-server", description=__doc__.splitlines()[0])
     add_config_flags(parser, ServerConfig)
+    return parser
+
+
+def parse_config(argv: list[str], environ: dict[str, str] | None = None) -> ServerConfig:
+    """The config that `diloco-server ARGV` runs with (tests build theirs the way users do)."""
+    parser = build_parser()
+    return config_from_args(parser, ServerConfig, parser.parse_args(argv), environ or {})
+
+
+def main() -> None:
+    parser = build_parser()
     config = config_from_args(parser, ServerConfig, parser.parse_args())
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(message)s")
     limit_malloc_arenas()  # before the server's threads start allocating (server/runtime.py)
