@@ -34,18 +34,20 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def _learner_config(server: str, learner_id: str, steps_per_outer: int):
+    from common.config import build_config
     from learner.config import LearnerConfig
 
-    return LearnerConfig(
-        server=server,
-        learner_id=learner_id,
-        sync_every_steps=steps_per_outer,
-        torch_threads=1,
-        eval_batches=1,
-        status_every_s=0,
-        insecure=True,
-        corpus_max_bytes=1 << 20,
-    )
+    settings = {
+        "server": server,
+        "learner_id": learner_id,
+        "sync_every_steps": steps_per_outer,
+        "torch_threads": 1,
+        "eval_batches": 1,
+        "status_every_s": 0,
+        "insecure": True,
+        "corpus_max_bytes": 1 << 20,
+    }
+    return build_config(LearnerConfig, settings)
 
 
 class _Timed:
@@ -81,7 +83,7 @@ def child(mode: str, server: str, steps: int, steps_per_outer: int) -> dict:
         for _ in range(steps):
             inner()
     else:
-        learner.config.max_outer_steps = steps // steps_per_outer
+        learner.config.training.max_outer_steps = steps // steps_per_outer
         learner.run(threading.Event())
     return {
         "steps": inner.calls,

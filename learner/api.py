@@ -6,6 +6,7 @@
     optimizer = torch.optim.AdamW(model.parameters())   # any inner optimizer
     with DilocoSync(model, server="127.0.0.1:50051", learner_id="a", insecure=True,
                     sync_every_steps=50, tokens_per_step=batch_size * seq_len) as sync:
+        serve_metrics("0.0.0.0:9101", sync.metrics_registry())   # optional, common/metrics_http
         for x, y in batches:                            # your data, your loss
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -19,9 +20,10 @@
 pseudo-gradient (in the background) and later merges the new global value into the model's
 parameters in place. Your optimizer's state is left alone, as in DiLoCo. Leaving the `with`
 block normally waits for the syncs still in flight and ends with the model holding the global
-parameters; leaving it by an exception just leaves the run. The protocol is the built-in
-learner's (learner/session.py), so everything the server offers (sync, quorum and async
-modes, TLS, tokens, rejoin after a server restart) works the same way.
+parameters; leaving it by an exception just leaves the run. The built-in learner
+(learner/trainer.py) drives this same class, so everything the server offers (sync, quorum
+and async modes, TLS, tokens, rejoin after a server restart) works the same way, and the
+same Prometheus metrics (learner/metrics.py) describe either.
 """
 
 from __future__ import annotations
@@ -32,33 +34,30 @@ import time
 from types import TracebackType
 from typing import Any
 
+import torch
+from prometheus_client import CollectorRegistry
 from torch import nn
 
+from common.config import build_config
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import Stopped
+from common.traffic import Traffic
 from learner.checkpoint import replicas_from_state, replicas_to_state
-from learner.config import LearnerConfig
-from learner.session import Progress, SyncSession
+from learner.config import DilocoSyncConfig
+from learner.metrics import learner_registry
+from learner.progress import Progress
+from learner.session import SyncSession
+from learner.streaming import SyncStats
 
-__all__ = ["DilocoSync", "Stopped", "SETTINGS"]
+__all__ = ["DilocoSync", "Stopped", "fingerprint"]
 
-# The LearnerConfig fields that matter when the model, data and loop are yours.
-SETTINGS = frozenset(
-    {
-        "server",
-        "learner_id",
-        "sync_every_steps",
-        "overlap_steps",
-        "merge_alpha",
-        "push_codec",
-        "insecure",
-        "tls_ca",
-        "tls_cert",
-        "tls_key",
-        "auth_token_file",
-        "connect_timeout_s",
-    }
-)
+
+def fingerprint(model: nn.Module) -> list[pb.ParamSpec]:
+    """Name, shape and dtype of each of the model's parameters, as Join announces them."""
+    return [
+        pb.ParamSpec(name=name, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."))
+        for name, p in model.named_parameters()
+    ]
 
 
 class DilocoSync:
@@ -70,62 +69,65 @@ class DilocoSync:
         *,
         tokens_per_step: int = 1,
         stop: threading.Event | None = None,
+        config: DilocoSyncConfig | None = None,
         **settings: Any,
     ) -> None:
-        """`settings`: any of SETTINGS (see `diloco-learner --help`). `tokens_per_step`: the
-        tokens (or samples) one inner step trains on, which the server weights pushes by.
-        `stop`: set it (e.g. from a signal handler) to interrupt a wait at a merge, which
-        then raises Stopped."""
-        unknown = sorted(set(settings) - SETTINGS)
-        if unknown:
-            known = ", ".join(sorted(SETTINGS))
-            raise ValueError(f"unknown setting {unknown[0]!r} for DilocoSync; it takes {known}")
+        """`settings`: the connection and sync settings of `diloco-learner --help` (server,
+        learner_id, TLS, sync_every_steps, ...), or all of them at once as `config`.
+        `tokens_per_step`: the tokens (or samples) one inner step trains on, which the server
+        weights pushes by. `stop`: set it (e.g. from a signal handler) to interrupt a wait at
+        a merge, which then raises Stopped."""
+        if config is not None and settings:
+            raise ValueError("give DilocoSync either config or settings, not both")
         if tokens_per_step < 1:
             raise ValueError(f"tokens_per_step must be >= 1, got {tokens_per_step}")
-        self.config = LearnerConfig(**settings)
+        self.config = config or build_config(DilocoSyncConfig, settings)
         self.model = model
-        named = list(model.named_parameters())
-        if not named:
+        params = [p for _, p in model.named_parameters()]
+        if not params:
             raise ValueError("the model has no parameters to train")
-        fingerprint = [
-            pb.ParamSpec(name=name, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."))
-            for name, p in named
-        ]
-        self.progress = Progress(learner_id=self.config.learner_id)
+        self.progress = Progress(learner_id=self.config.connection.learner_id)
         self.tokens_per_step = tokens_per_step
         self.session = SyncSession(
-            self.config, [p for _, p in named], fingerprint, self.progress, tokens_per_step
+            self.config, params, fingerprint(model), self.progress, tokens_per_step
         )
         self._stop = stop or threading.Event()
         self._open = self._closed = False
         self._last_step_s = 0.0
 
-    def open(self) -> DilocoSync:
+    def open(self, stop: threading.Event | None = None) -> DilocoSync:
         """Connect and join; the model's parameters become the run's global parameters (the
-        first learner to join offers its own as the initial ones)."""
+        first learner to join offers its own as the initial ones). `stop`: replaces the one
+        given at construction."""
         if self._closed:
             raise RuntimeError("DilocoSync is closed: make a new one to join again")
+        self._stop = stop or self._stop
         self.session.open(self._stop)
         self._open = True
         self._last_step_s = time.perf_counter()
         return self
 
-    def step(self, loss: float = math.nan, tokens: int | None = None) -> bool:
+    def step(
+        self, loss: float = math.nan, tokens: int | None = None, compute_s: float | None = None
+    ) -> bool:
         """Call once after each inner optimizer step. Returns True if the model's parameters
-        were changed by a merge (or a re-sync after the server restarted)."""
+        were changed by a merge (or a re-sync after the server restarted).
+
+        `tokens`: this step's, if not tokens_per_step. `compute_s`: the seconds the step
+        computed, which the server adapts its grace window to (default: the time since the
+        last step() returned; pass it if your loop also evaluates or saves in between)."""
         if not self._open:
             raise RuntimeError("DilocoSync.step() before open(): use it as a context manager")
-        now = time.perf_counter()
         p = self.progress
         p.inner_steps += 1
         p.tokens += self.tokens_per_step if tokens is None else tokens
         p.last_loss = loss
-        p.compute_s += now - self._last_step_s  # the step time the server adapts its grace to
+        p.compute_s += time.perf_counter() - self._last_step_s if compute_s is None else compute_s
         before = self.session.step
         changed = self.session.after_inner_step()
-        # An outer step each time the schedule passes a multiple of H (as in the trainer: it
-        # may advance several steps at once, with dynamic local updates or after a rejoin).
-        h = self.config.sync_every_steps
+        # An outer step each time the schedule passes a multiple of H (it may advance several
+        # steps at once: dynamic local updates, or a rejoin).
+        h = self.config.sync.sync_every_steps
         if self.session.step // h > before // h:
             p.outer_steps += 1
         self._last_step_s = time.perf_counter()
@@ -156,15 +158,53 @@ class DilocoSync:
     ) -> None:
         self.close(drain=exc_type is None)
 
+    # -- what the run looks like from here (status lines, metrics, evaluation) ---------------
+
     @property
     def outer_steps(self) -> int:
         return self.progress.outer_steps
+
+    @property
+    def schedule_step(self) -> int:
+        """The fragment schedule's step, which all learners keep in phase."""
+        return self.session.step
 
     @property
     def versions(self) -> list[int]:
         """The global version of each fragment this learner holds."""
         sync = self.session.sync
         return [r.version for r in sync.replicas] if sync else []
+
+    @property
+    def server_versions(self) -> list[int]:
+        """The server's version of each fragment, as of the last heartbeat."""
+        return self.session.heartbeat.server_versions
+
+    @property
+    def stats(self) -> SyncStats | None:
+        """Counters of the fragment syncs since the last join; None before the first."""
+        sync = self.session.sync
+        return sync.stats if sync else None
+
+    @property
+    def traffic(self) -> Traffic:
+        """Bytes sent to and received from the aggregator, per fragment."""
+        return self.session.client.traffic
+
+    def global_params(self) -> dict[int, torch.Tensor]:
+        """The run's global value of each synced parameter (the replicas this learner holds,
+        on the CPU), by its index in `model.named_parameters()`. Read them, do not change
+        them: copy into a model of the same shape to evaluate the global parameters."""
+        sync = self.session.sync
+        replicas = sync.replicas if sync else []
+        return {i: g for r in replicas for i, g in zip(r.indices, r.params, strict=True)}
+
+    def metrics_registry(self) -> CollectorRegistry:
+        """A fresh Prometheus registry of this learner's metrics, read at scrape time; serve
+        it with common/metrics_http.serve_metrics(listen, registry)."""
+        return learner_registry(self)
+
+    # -- resuming ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What to save beside your model and optimizer to resume after a crash: the step

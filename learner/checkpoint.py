@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from learner.session import SavedReplica
+from learner.progress import SavedReplica
 
 CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT_VERSION = 1

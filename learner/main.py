@@ -25,12 +25,12 @@ from common.config import add_config_flags, config_from_args
 from common.metrics_http import serve_metrics
 from learner.config import LearnerConfig
 from learner.island import Island
-from learner.metrics import learner_registry
 from learner.trainer import Learner
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: every LearnerConfig field as a flag, plus --config (a TOML file)."""
+    """The command line: every LearnerConfig setting as a flag, grouped by section, plus
+    --config (a TOML file)."""
     parser = argparse.ArgumentParser(prog="diloco-learner", description=__doc__.splitlines()[0])
     add_config_flags(parser, LearnerConfig)
     return parser
@@ -51,9 +51,12 @@ def main() -> None:
         signal.signal(signum, lambda *_: stop.set())
     try:
         learner = Learner(config, Island.from_env(os.environ))
-        if config.metrics_listen and learner.island.is_leader:
-            registry = learner_registry(learner)
-            port = serve_metrics(config.metrics_listen, registry, config.metrics_port_file)
+        observability = config.observability
+        if observability.metrics_listen and learner.sync is not None:  # rank 0 of an island
+            registry = learner.sync.metrics_registry()
+            port = serve_metrics(
+                observability.metrics_listen, registry, observability.metrics_port_file
+            )
             logging.getLogger("diloco.learner").info("metrics on port %d at /metrics", port)
     except (ValueError, OSError) as err:  # e.g. a missing corpus, a metrics port in use
         parser.exit(2, f"{parser.prog}: error: {err}\n")
@@ -63,8 +66,8 @@ def main() -> None:
         finished = True
     except grpc.FutureTimeoutError:
         sys.exit(
-            f"diloco-learner: error: cannot reach the server at {config.server} (is it up, "
-            "and do both sides agree on TLS or insecure?)"
+            f"diloco-learner: error: cannot reach the server at {config.connection.server} (is "
+            "it up, and do both sides agree on TLS or insecure?)"
         )
     except grpc.RpcError as err:
         sys.exit(f"diloco-learner: error: the server answered {err.code().name}: {err.details()}")
@@ -72,11 +75,11 @@ def main() -> None:
         learner.island.close(finished)
     if not learner.island.is_leader:
         return
-    if config.save_params:
-        learner.save_params(config.save_params)
+    if config.observability.save_params:
+        learner.save_params(config.observability.save_params)
     summary = dataclasses.asdict(progress)
-    if config.summary_file:
-        with open(config.summary_file, "w") as f:
+    if config.observability.summary_file:
+        with open(config.observability.summary_file, "w") as f:
             json.dump(summary, f, indent=1)
     losses = progress.eval_losses
     print(

@@ -1,10 +1,12 @@
 """The learner's Prometheus metrics (DESIGN.md section 8), read from its state at scrape time.
 
-    registry = learner_registry(learner)   # then common/metrics_http.serve_metrics(...)
+    registry = sync.metrics_registry()     # a DilocoSync's; learner_registry(sync) builds it
+    serve_metrics("0.0.0.0:9101", registry)   # common/metrics_http
 
-Nothing is updated in the training loop: a collector reads the learner's progress, sync
-statistics and byte counters when Prometheus scrapes. Labels are bounded: `fragment` (P
-values) and the one-sample `diloco_learner_info{learner_id}`.
+Nothing is updated in the training loop: a collector reads the DilocoSync's progress, sync
+statistics and byte counters when Prometheus scrapes, so the daemon (whose rank 0 holds a
+DilocoSync) and a library user's loop export the same metrics. Labels are bounded:
+`fragment` (P values) and the one-sample `diloco_learner_info{learner_id}`.
 """
 
 from __future__ import annotations
@@ -17,22 +19,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from learner.trainer import Learner
+    from learner.api import DilocoSync
 
 
-def learner_registry(learner: Learner) -> CollectorRegistry:
+def learner_registry(sync: DilocoSync) -> CollectorRegistry:
+    """A fresh registry whose collector reads `sync` at each scrape."""
     registry = CollectorRegistry()
-    registry.register(_LearnerCollector(learner))
+    registry.register(_LearnerCollector(sync))
     return registry
 
 
 class _LearnerCollector(Collector):
-    def __init__(self, learner: Learner) -> None:
-        self.learner = learner
+    def __init__(self, sync: DilocoSync) -> None:
+        self.sync = sync
 
     def collect(self) -> Iterator:
-        learner = self.learner
-        p, sync, traffic = learner.progress, learner.sync, learner.client.traffic
+        p, stats, traffic = self.sync.progress, self.sync.stats, self.sync.traffic
         yield InfoMetricFamily(
             "diloco_learner", "Which learner this is.", value={"learner_id": p.learner_id}
         )
@@ -43,12 +45,12 @@ class _LearnerCollector(Collector):
             "compute_seconds": ("Seconds spent computing inner steps.", p.compute_s),
             "sync_blocked_seconds": (
                 "Seconds the training loop waited at a merge point for a fragment.",
-                sync.stats.blocked_s if sync else 0.0,
+                stats.blocked_s if stats else 0.0,
             ),
             "sent_bytes": ("Bytes of gRPC messages sent to the aggregator.", traffic.sent),
             "received_bytes": ("Bytes of gRPC messages received.", traffic.received),
             "rejoins": ("Times the learner joined again after losing its session.", p.rejoins),
-            "fragment_syncs": ("Fragment syncs merged.", sync.stats.syncs if sync else 0),
+            "fragment_syncs": ("Fragment syncs merged.", stats.syncs if stats else 0),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"diloco_learner_{name}", doc, value=value)
@@ -71,11 +73,10 @@ class _LearnerCollector(Collector):
             "Server version (at the last heartbeat) minus the replica's version, per fragment.",
             labels=["fragment"],
         )
-        server_versions = learner.server_versions
-        for replica in sync.replicas if sync else []:
-            fid = replica.fragment_id
-            versions.add_metric([str(fid)], replica.version)
+        server_versions = self.sync.server_versions
+        for fid, version in enumerate(self.sync.versions):  # replicas are in fragment order
+            versions.add_metric([str(fid)], version)
             if fid < len(server_versions):
-                staleness.add_metric([str(fid)], max(0, server_versions[fid] - replica.version))
+                staleness.add_metric([str(fid)], max(0, server_versions[fid] - version))
         yield versions
         yield staleness

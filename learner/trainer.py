@@ -1,20 +1,21 @@
 """The learner process: inner AdamW steps, with Streaming DiLoCo syncs of each fragment.
 
-    learner = Learner(LearnerConfig(server="127.0.0.1:50051", learner_id="a"))
-    summary = learner.run(stop=threading.Event())
+    config = build_config(LearnerConfig, {"server": "127.0.0.1:50051", "learner_id": "a"})
+    summary = Learner(config).run(stop=threading.Event())
 
-The protocol (join, pushes and merges on learner/streaming.py's schedule, heartbeats, rejoin)
-is learner/session.py's; this file is the built-in job around it: a small GPT on a sharded
-corpus (learner/data.py), evaluation of the global parameters every H inner steps (an outer
-step), periodic checkpoints to resume from (learner/checkpoint.py), and, under torchrun, an
-island of data-parallel ranks that acts as one learner (learner/island.py). With one
-fragment, merge_alpha 0 and overlap_steps 0 this is plain DiLoCo.
+The syncs are the library's: rank 0 drives a DilocoSync (learner/api.py) exactly as a user's
+own loop would, one `step()` after each inner step, so the protocol, the step bookkeeping and
+the metrics are the same either way. This file is the built-in job around it: a small GPT on
+a sharded corpus (learner/data.py), evaluation of the global parameters every H inner steps
+(an outer step), periodic checkpoints to resume from (learner/checkpoint.py), and, under
+torchrun, an island of data-parallel ranks that acts as one learner (learner/island.py): only
+rank 0 holds a DilocoSync, counts progress and talks to the aggregator. With one fragment,
+merge_alpha 0 and overlap_steps 0 this is plain DiLoCo.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import math
 import os
@@ -24,98 +25,94 @@ import time
 import zlib
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.config import flat_values
 from common.retry import Stopped
 from common.wire import params_crc32
+from learner.api import DilocoSync, fingerprint
 from learner.checkpoint import (
     FORMAT_VERSION,
     PROGRESS_FIELDS,
     CheckpointClock,
     check_compatible,
     load_checkpoint,
-    replicas_from_state,
-    replicas_to_state,
     save_checkpoint,
 )
 from learner.config import LearnerConfig, resolve_device
 from learner.data import BatchSampler, ShardedSampler, load_corpus
 from learner.island import Island
 from learner.model import GPT
-from learner.session import Progress, SyncSession
+from learner.progress import Progress
 
 __all__ = ["Learner", "Progress"]
 
 log = logging.getLogger("diloco.learner")
 
 
+class InnerStep(NamedTuple):
+    """What one inner step reports to DilocoSync.step()."""
+
+    loss: float
+    tokens: int  # of every rank of the island
+    compute_s: float  # including the idle time of a --slowdown
+
+
 class Learner:
+    """The built-in job for one learner (or one island of ranks): data, model, evaluation
+    and checkpoints around the DilocoSync that rank 0 drives."""
+
     def __init__(self, config: LearnerConfig, island: Island | None = None) -> None:
         """`island`: the ranks this learner spans (torchrun); default a single process."""
         self.config = config
         self.island = island = island or Island()
-        threads = config.torch_threads or max(
-            1, (os.cpu_count() or 1) // (config.learners_per_host * island.local_size)
+        model_cfg, data, training = config.model, config.data, config.training
+        threads = training.torch_threads or max(
+            1, (os.cpu_count() or 1) // (training.learners_per_host * island.local_size)
         )
         torch.set_num_threads(threads)
-        torch.manual_seed(config.seed)
-        self.device = island.start(resolve_device(config.device))
+        torch.manual_seed(training.seed)
+        self.device = island.start(resolve_device(training.device))
         # Initialised on the CPU, then moved: the same seed gives the same model anywhere.
-        self.model = GPT(config.model_config()).to(self.device)
+        self.model = GPT(model_cfg).to(self.device)
         self.train_model = island.wrap(self.model)  # DDP across the island's ranks
         self.eval_model = copy.deepcopy(self.model)  # holds the global parameters for eval
         self.params = [p for _, p in self.model.named_parameters()]
-        self.fingerprint = [
-            pb.ParamSpec(name=name, shape=list(p.shape), dtype=str(p.dtype).removeprefix("torch."))
-            for name, p in self.model.named_parameters()
-        ]
-        train, val = load_corpus(config.corpus, config.corpus_max_bytes)
-        data_seed = config.seed * 1_000_003 + zlib.crc32(config.learner_id.encode())
+        train, val = load_corpus(data.corpus, data.corpus_max_bytes)
+        learner_id = config.connection.learner_id
+        data_seed = training.seed * 1_000_003 + zlib.crc32(learner_id.encode())
         # The island's ranks split this learner's shard: rank r of N takes sub-shard r.
         self.batches = ShardedSampler(
             train,
-            config.batch_size,
-            config.block_size,
+            data.batch_size,
+            model_cfg.block_size,
             data_seed,
-            shard=config.data_shard * island.world_size + island.rank,
-            shards=max(1, config.data_shards) * island.world_size,
-            vocab_size=config.vocab_size,
+            shard=data.data_shard * island.world_size + island.rank,
+            shards=max(1, data.data_shards) * island.world_size,
+            vocab_size=model_cfg.vocab_size,
         )
-        eval_sampler = BatchSampler(val, config.batch_size, config.block_size, seed=1234)
-        self.eval_set = [eval_sampler.next() for _ in range(config.eval_batches)]
+        eval_sampler = BatchSampler(val, data.batch_size, model_cfg.block_size, seed=1234)
+        self.eval_set = [eval_sampler.next() for _ in range(training.eval_batches)]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.inner_lr, weight_decay=config.weight_decay
+            self.model.parameters(), lr=training.inner_lr, weight_decay=training.weight_decay
         )
-        self.progress = Progress(learner_id=config.learner_id, island_size=island.world_size)
-        self._slowdown = Slowdown(config.slowdown)
-        tokens_per_step = config.batch_size * config.block_size * island.world_size
-        self.session = (
-            SyncSession(config, self.params, self.fingerprint, self.progress, tokens_per_step)
+        self._slowdown = Slowdown(config.simulation.slowdown)
+        tokens_per_step = data.batch_size * model_cfg.block_size * island.world_size
+        self.sync = (
+            DilocoSync(self.model, tokens_per_step=tokens_per_step, config=config.library())
             if island.is_leader
             else None  # only rank 0 talks to the aggregator
         )
-        self.step = 0  # the schedule step (rank 0's, on every rank)
+        # Rank 0's progress is the sync's (it speaks for the island); the others count none.
+        self.progress = self.sync.progress if self.sync else Progress(learner_id=learner_id)
+        self.progress.island_size = island.world_size
         self._status = _StatusClock()
-        self._checkpoints = CheckpointClock(
-            config.checkpoint_every_steps, config.checkpoint_every_s
-        )
-        if config.checkpoint_dir:
-            self._restore(Path(config.checkpoint_dir))
-
-    # The session's state, for learner/metrics.py.
-    @property
-    def sync(self):
-        return self.session.sync if self.session else None
-
-    @property
-    def client(self):
-        return self.session.client if self.session else None
-
-    @property
-    def server_versions(self) -> list[int]:
-        return self.session.server_versions if self.session else []
+        ckpt = config.checkpoint
+        self._checkpoints = CheckpointClock(ckpt.checkpoint_every_steps, ckpt.checkpoint_every_s)
+        if ckpt.checkpoint_dir:
+            self._restore(Path(ckpt.checkpoint_dir))
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -124,53 +121,47 @@ class Learner:
 
         On an island rank 0 decides: when to stop, and what the parameters are after a sync.
         """
-        cfg, island, started = self.config, self.island, time.monotonic()
+        island, started = self.island, time.monotonic()
+        checkpoint_dir = self.config.checkpoint.checkpoint_dir
         try:
-            if self.session is not None:
-                self.session.open(stop)
-                self.step = self.session.step
+            if self.sync is not None:
+                self.sync.open(stop)
             island.broadcast_params(self.params)  # every rank starts from the global values
             self._record_eval()
             train_started = time.monotonic()
             while not island.agree([self._done(stop, started)])[0]:
-                self._inner_step()
-                before = self.step
-                changed, stopped = self._advance()
-                self.step, changed, stopped = island.agree([self.step, changed, stopped])
+                changed, stopped, outer_step = island.agree(self._advance(self._inner_step()))
                 if changed:
                     island.broadcast_params(self.params)
                 if stopped:
                     break  # asked to stop while waiting at a merge
-                # An outer step each time the schedule passes a multiple of H (it may advance
-                # several steps at once: dynamic local updates, or a rejoin).
-                if self.step // cfg.sync_every_steps > before // cfg.sync_every_steps:
-                    self.progress.outer_steps += 1
+                if outer_step:
                     self._record_eval()
                 self.progress.train_wall_s = time.monotonic() - train_started
-                if cfg.checkpoint_dir and self._checkpoints.due(self.progress.inner_steps):
+                if checkpoint_dir and self._checkpoints.due(self.progress.inner_steps):
                     self._save_checkpoint()
-            if self.session is not None and not stop.is_set():
-                self.session.drain()
+            if self.sync is not None:
+                self.sync.close()  # merges the syncs in flight, unless asked to stop
             island.broadcast_params(self.params)
-            if cfg.checkpoint_dir:
+            if checkpoint_dir:
                 self._save_checkpoint()
             crc = params_crc32([p.detach().cpu() for p in self.params])
             self.progress.rank_params_crc32 = island.gather_object(crc)
         finally:
             self.progress.data_position = self.batches.position
-            if self.session is not None:
-                self.session.close()
+            if self.sync is not None:
+                self.sync.close(drain=False)  # after an error: leave (a no-op once closed)
         return self.progress
 
     def _done(self, stop: threading.Event, started: float) -> bool:
-        cfg, p = self.config, self.progress
+        training, p = self.config.training, self.progress
         return (
             stop.is_set()
-            or bool(cfg.max_outer_steps and p.outer_steps >= cfg.max_outer_steps)
-            or bool(cfg.duration_s and time.monotonic() - started >= cfg.duration_s)
+            or bool(training.max_outer_steps and p.outer_steps >= training.max_outer_steps)
+            or bool(training.duration_s and time.monotonic() - started >= training.duration_s)
         )
 
-    def _inner_step(self) -> None:
+    def _inner_step(self) -> InnerStep:
         t0 = time.perf_counter()
         self.train_model.train()
         x, y = (t.to(self.device) for t in self.batches.next())
@@ -178,49 +169,48 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # on an island, DDP averages the gradients of all ranks here
         self.optimizer.step()
-        self.progress.inner_steps += 1
-        self.progress.tokens += x.numel() * self.island.world_size
-        self.progress.last_loss = loss.item()
-        if self.config.slowdown > 1:  # a slower island: idle as if the step took longer
+        loss_value = loss.item()
+        if self._slowdown.factor > 1:  # a slower island: idle as if the step took longer
             time.sleep(self._slowdown.idle_s(time.perf_counter() - t0))
-        self.progress.compute_s += time.perf_counter() - t0
+        compute_s = time.perf_counter() - t0
+        return InnerStep(loss_value, x.numel() * self.island.world_size, compute_s)
 
-    def _advance(self) -> tuple[bool, bool]:
-        """(parameters changed, asked to stop while waiting): one schedule step, on rank 0."""
-        if self.session is None:
-            return False, False
+    def _advance(self, step: InnerStep) -> list[int]:
+        """[parameters changed, asked to stop while waiting at a merge, an outer step ended]:
+        the sync's step on rank 0 (all 0 on the other ranks, which follow rank 0's)."""
+        if self.sync is None:
+            return [0, 0, 0]
+        outer_steps = self.sync.outer_steps
         try:
-            changed = self.session.after_inner_step()
+            changed = self.sync.step(step.loss, step.tokens, step.compute_s)
         except Stopped:
-            return False, True
-        finally:
-            self.step = self.session.step
-        return changed, False
+            return [0, 1, 0]
+        return [int(changed), 0, int(self.sync.outer_steps > outer_steps)]
 
     # -- checkpoints -----------------------------------------------------------------------
 
     def _save_checkpoint(self) -> None:
-        if self.session is None:
+        if self.sync is None:
             return  # rank 0 writes the island's checkpoint; the ranks' states are identical
         started = time.perf_counter()
         state = {
             "format": FORMAT_VERSION,
-            "learner_id": self.config.learner_id,
-            "config": dataclasses.asdict(self.config),
-            "fingerprint": [[s.name, list(s.shape), s.dtype] for s in self.fingerprint],
+            "learner_id": self.config.connection.learner_id,
+            "config": flat_values(self.config),
+            "fingerprint": [[s.name, list(s.shape), s.dtype] for s in fingerprint(self.model)],
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.optimizer.state_dict(),
             "data": self.batches.state_dict(),
-            "step": self.step,
+            "step": self.sync.schedule_step,
             "progress": {f: getattr(self.progress, f) for f in PROGRESS_FIELDS},
-            "fragments": replicas_to_state(self.session.saved_replicas()),
+            "fragments": self.sync.state_dict()["fragments"],
             "island_size": self.island.world_size,
             "saved_unix_s": time.time(),
         }
-        path = save_checkpoint(Path(self.config.checkpoint_dir), state)
+        path = save_checkpoint(Path(self.config.checkpoint.checkpoint_dir), state)
         log.info(
             "learner=%s checkpoint step=%d data_position=%d to %s in %.3f s",
-            self.config.learner_id,
+            self.progress.learner_id,
             self.progress.inner_steps,
             self.batches.position,
             path,
@@ -235,8 +225,8 @@ class Learner:
             try:
                 state = load_checkpoint(directory)
                 if state is not None:
-                    spec = [(s.name, list(s.shape), s.dtype) for s in self.fingerprint]
-                    check_compatible(state, directory, self.config.learner_id, spec)
+                    spec = [(s.name, list(s.shape), s.dtype) for s in fingerprint(self.model)]
+                    check_compatible(state, directory, self.progress.learner_id, spec)
             except ValueError as err:
                 error = str(err)
         # Every rank learns the outcome, so a bad checkpoint ends all of them with the same
@@ -253,15 +243,18 @@ class Learner:
         for name in PROGRESS_FIELDS:
             setattr(self.progress, name, shared["progress"][name])
         self.progress.resumed_at_inner_step = self.progress.inner_steps
-        if state is not None and self.session is not None:
+        if state is not None and self.sync is not None:
             self.model.load_state_dict(state["model"])
-            self.session.resume = replicas_from_state(state["fragments"])
+            self.sync.load_state_dict(
+                {k: getattr(self.progress, k) for k in ("inner_steps", "outer_steps", "tokens")}
+                | {"fragments": state["fragments"]}
+            )
             log.info(
                 "learner=%s resuming from checkpoint step=%d data_position=%d versions=%s",
-                self.config.learner_id,
+                self.progress.learner_id,
                 self.progress.inner_steps,
                 self.batches.position,
-                [r.version for r in self.session.resume],
+                [f["version"] for f in state["fragments"]],
             )
 
     # -- evaluation and status -------------------------------------------------------------
@@ -273,9 +266,8 @@ class Learner:
         started = time.perf_counter()
         eval_params = [p for _, p in self.eval_model.named_parameters()]
         with torch.no_grad():
-            for replica in self.sync.replicas:
-                for i, g in zip(replica.indices, replica.params, strict=True):
-                    eval_params[i].copy_(g)
+            for i, g in self.sync.global_params().items():
+                eval_params[i].copy_(g)
             self.eval_model.eval()
             losses = [
                 self.eval_model(x.to(self.device), y.to(self.device))[1].item()
@@ -284,9 +276,12 @@ class Learner:
         loss = sum(losses) / len(losses)
         self.progress.eval_losses.append(loss)
         self.progress.eval_s += time.perf_counter() - started
-        p = self.progress
+        self._log_status(loss)
+
+    def _log_status(self, eval_loss: float) -> None:
+        p, stats, traffic = self.progress, self.sync.stats, self.sync.traffic
         tokens_per_s, last_sync_s = self._status.due(
-            self.config.status_every_s, p.tokens, self.sync.stats.syncs
+            self.config.observability.status_every_s, p.tokens, stats.syncs
         )
         if tokens_per_s is None:
             return
@@ -297,15 +292,15 @@ class Learner:
             p.learner_id,
             p.outer_steps,
             p.inner_steps,
-            [r.version for r in self.sync.replicas],
-            loss,
+            self.sync.versions,
+            eval_loss,
             p.last_loss,
             p.tokens,
             tokens_per_s,
             last_sync_s,
-            self.sync.stats.blocked_s,
-            self.client.traffic.sent,
-            self.client.traffic.received,
+            stats.blocked_s,
+            traffic.sent,
+            traffic.received,
         )
 
     def save_params(self, path: str) -> None:

@@ -49,7 +49,12 @@ def train(port: int, name: str, seed: int, results: dict) -> None:
             optimizer.step()
             merges += sync.step(loss=loss.item())
             losses.append(loss.item())
-    results[name] = (sync.progress, model, losses, merges)
+        registry = sync.metrics_registry()  # what a library user serves with serve_metrics
+        metrics = {
+            m: registry.get_sample_value(f"diloco_learner_{m}_total")
+            for m in ("inner_steps", "outer_steps", "tokens", "fragment_syncs")
+        }
+    results[name] = (sync.progress, model, losses, merges, metrics)
 
 
 def test_two_user_loops_train_a_foreign_model_in_sync(start_service):
@@ -70,8 +75,11 @@ def test_two_user_loops_train_a_foreign_model_in_sync(start_service):
         assert version == OUTER_STEPS
         server_params.update(zip(indices, agg.params(fid), strict=True))
     assert len(server_params) == 6 and len(agg.layout()) == 2
-    for name, (progress, model, losses, merges) in results.items():
+    for name, (progress, model, losses, merges, metrics) in results.items():
         assert progress.inner_steps == OUTER_STEPS * H
+        assert metrics["inner_steps"] == OUTER_STEPS * H
+        assert metrics["outer_steps"] == OUTER_STEPS
+        assert metrics["tokens"] == progress.tokens and metrics["fragment_syncs"] > 0
         assert progress.fragment_syncs == 2 * OUTER_STEPS and merges > 0
         assert progress.tokens == 32 * OUTER_STEPS * H
         for i, p in enumerate(model.parameters()):

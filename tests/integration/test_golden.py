@@ -112,7 +112,7 @@ def test_sync_run_reproduces_its_parameters_bit_for_bit() -> None:
         threads = [
             threading.Thread(
                 target=lambda lr=lr: results.__setitem__(
-                    lr.config.learner_id, lr.run(threading.Event())
+                    lr.config.connection.learner_id, lr.run(threading.Event())
                 )
             )
             for lr in learners

@@ -16,7 +16,7 @@ from learner.checkpoint import (
     replicas_to_state,
     save_checkpoint,
 )
-from learner.session import SavedReplica
+from learner.progress import SavedReplica
 
 SPEC = [("w", [2, 3], "float32")]
 

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 
-from common.config import add_config_flags, build_config, config_from_args, flat_values
-from learner.config import LearnerConfig
+from common.config import (
+    add_config_flags,
+    build_config,
+    config_from_args,
+    flat_values,
+    sections,
+    settings,
+)
+from learner.config import DilocoSyncConfig, LearnerConfig
 from server.app import ServerConfig
 
 
@@ -71,7 +79,7 @@ def test_example_config_files_load(name: str) -> None:
     add_config_flags(parser, cls)
     path = Path(__file__).resolve().parents[2] / "deploy" / "config" / f"{name}.toml"
     config = config_from_args(parser, cls, parser.parse_args(["--config", str(path)]), {})
-    assert config.metrics_listen.startswith("0.0.0.0:")
+    assert flat_values(config)["metrics_listen"].startswith("0.0.0.0:")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -146,3 +154,52 @@ def test_bad_section_settings_exit_2_with_one_line(
 def test_build_config_names_an_unknown_setting() -> None:
     with pytest.raises(ValueError, match="unknown setting 'every' for _Daemon"):
         build_config(_Daemon, {"every": 1})
+
+
+def _learner(argv: list[str], environ: dict[str, str]) -> LearnerConfig:
+    parser = argparse.ArgumentParser(prog="diloco-learner")
+    add_config_flags(parser, LearnerConfig)
+    return config_from_args(parser, LearnerConfig, parser.parse_args(argv), environ)
+
+
+def test_learner_settings_keep_their_flat_names_in_sections(tmp_path: Path) -> None:
+    tables = tmp_path / "learner.toml"
+    tables.write_text(
+        'learner_id = "a"\ninsecure = true\n[sync]\nsync_every_steps = 8\n'
+        "[model]\nn_layer = 3\n[simulation]\nslowdown = 2.0\n"
+    )
+    got = _learner(["--config", str(tables), "--batch-size", "4"], {"DILOCO_SEED": "5"})
+    assert (got.connection.learner_id, got.connection.insecure) == ("a", True)
+    assert (got.sync.sync_every_steps, got.model.n_layer, got.simulation.slowdown) == (8, 3, 2.0)
+    assert (got.data.batch_size, got.training.seed) == (4, 5)
+    flat = _learner(["--learner-id", "a", "--sync-every-steps", "8", "--n-layer", "3"], {})
+    assert (flat.sync.sync_every_steps, flat.model.n_layer) == (8, 3)
+    assert got.library().sync is got.sync  # the daemon's DilocoSync gets the same sections
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"overlap_steps": 50}, "overlap_steps must be in [0, sync_every_steps), got 50"),
+        ({"push_codec": "fp8"}, "push_codec must be one of"),
+        ({"server": "nohost"}, "server must be host:port, got 'nohost'"),
+        ({"insecure": True, "tls_ca": "ca.pem"}, "insecure and tls_* settings exclude"),
+        ({"n_embd": 30, "n_head": 4}, "n_embd (30) must be divisible by n_head (4)"),
+        ({"eval_batches": 0}, "eval_batches must be >= 1, got 0"),
+        ({"checkpoint_every_s": -1.0}, "checkpoint_every_s must be >= 0, got -1.0"),
+        ({"metrics_listen": "9101"}, "metrics_listen must be host:port"),
+        ({"slowdown": 0.5}, "slowdown must be >= 1, got 0.5"),
+        ({"batch_sizes": 4}, "unknown setting 'batch_sizes' for LearnerConfig"),
+    ],
+)
+def test_each_learner_section_names_the_setting_to_fix(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_config(LearnerConfig, {"learner_id": "a", **settings})
+
+
+def test_the_library_config_holds_only_the_connection_and_sync_sections() -> None:
+    assert set(sections(DilocoSyncConfig)) == {"connection", "sync"}
+    assert set(settings(DilocoSyncConfig)) < set(settings(LearnerConfig))
+    assert "slowdown" not in settings(DilocoSyncConfig)
+    with pytest.raises(ValueError, match="unknown setting 'batch_size' for DilocoSyncConfig"):
+        build_config(DilocoSyncConfig, {"batch_size": 4})

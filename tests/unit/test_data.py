@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import build_config
 from learner.config import LearnerConfig
 from learner.data import ShardedSampler, load_corpus
 
@@ -123,4 +124,4 @@ def test_a_folder_without_text_gives_one_clear_error(tmp_path: Path) -> None:
 )
 def test_bad_data_settings_name_the_field(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        LearnerConfig(learner_id="a", **settings)
+        build_config(LearnerConfig, {"learner_id": "a", **settings})

@@ -77,23 +77,22 @@ def test_snapshot_time_is_recorded(tmp_path) -> None:
 
 
 def learner_exposition() -> str:
-    """The learner's /metrics text, from a stand-in with a learner's state attributes."""
+    """The learner's /metrics text, from a stand-in with the state a DilocoSync exposes."""
     from types import SimpleNamespace
 
     from common.traffic import Traffic
     from learner.metrics import learner_registry
-    from learner.streaming import FragmentReplica, SyncStats
-    from learner.trainer import Progress
+    from learner.progress import Progress
+    from learner.streaming import SyncStats
 
-    replica = FragmentReplica(0, [0], [(4,)])
-    replica.version = 3
-    learner = SimpleNamespace(
+    sync = SimpleNamespace(
         progress=Progress(learner_id="a", inner_steps=5, tokens=640, eval_losses=[4.0, 3.5]),
-        sync=SimpleNamespace(stats=SyncStats(blocked_s=1.5), replicas=[replica]),
-        client=SimpleNamespace(traffic=Traffic()),
+        stats=SyncStats(blocked_s=1.5),
+        traffic=Traffic(),
+        versions=[3],
         server_versions=[5],
     )
-    return generate_latest(learner_registry(learner)).decode()
+    return generate_latest(learner_registry(sync)).decode()
 
 
 def test_learner_metrics_read_its_state() -> None:

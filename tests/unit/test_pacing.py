@@ -4,9 +4,12 @@ learner's pace, with a fake clock."""
 import pytest
 import torch
 
-from learner.config import LearnerConfig
+from common.config import build_config
+from learner.config import DilocoSyncConfig, SyncConfig
+from learner.heartbeat import Pacer
+from learner.progress import Progress
 from learner.session import SyncSession
-from learner.trainer import Progress, Slowdown
+from learner.trainer import Slowdown
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
 from server.policy import estimated_schedule_step, median_step_time_s
 from tests.fakes import FakeClock
@@ -44,16 +47,19 @@ def test_a_joining_learner_is_told_where_the_others_are() -> None:
 def session(
     dynamic: bool, my_step_s: float, median_s: float, blocking: bool = False, align: bool = True
 ):
-    config = LearnerConfig(
-        learner_id="x",
-        insecure=True,
-        sync_every_steps=8,
-        dynamic_local_updates=dynamic,
-        align_schedule=align,
+    config = build_config(
+        DilocoSyncConfig,
+        {
+            "learner_id": "x",
+            "insecure": True,
+            "sync_every_steps": 8,
+            "dynamic_local_updates": dynamic,
+            "align_schedule": align,
+        },
     )
     progress = Progress(learner_id="x", inner_steps=10, compute_s=10 * my_step_s)
     s = SyncSession(config, [torch.zeros(1)], [], progress, tokens_per_step=1)
-    s.median_step_time_s, s.blocking = median_s, blocking
+    s.pacer.median_step_time_s, s.pacer.blocking = median_s, blocking
     return s
 
 
@@ -70,11 +76,9 @@ def session(
     ],
 )
 def test_pace(dynamic, mine, median, blocking, pace) -> None:
-    s = session(dynamic, mine, median, blocking)
-    try:
-        assert s.pace() == pace
-    finally:
-        s.client.close()
+    pacer = Pacer(SyncConfig(sync_every_steps=8, dynamic_local_updates=dynamic))
+    pacer.median_step_time_s, pacer.blocking = median, blocking
+    assert pacer.pace(Progress(learner_id="x", inner_steps=10, compute_s=10 * mine)) == pace
 
 
 def test_the_server_reports_where_the_schedule_is() -> None:
@@ -117,7 +121,7 @@ def steered(align: bool = True, blocking: bool = False) -> SyncSession:
 def test_a_learner_behind_the_others_catches_up_one_step_at_a_time() -> None:
     s = steered()
     try:
-        s._set_phase_error(cluster_step=103, my_step=100)
+        s.pacer.set_phase_error(cluster_step=103, my_step=100)
         for _ in range(5):
             s.after_inner_step()
         # Three inner steps advance the schedule by two (pushing sooner), then by one again.
@@ -130,7 +134,7 @@ def test_a_learner_behind_the_others_catches_up_one_step_at_a_time() -> None:
 def test_a_learner_ahead_trains_extra_steps_without_pushing_or_waiting() -> None:
     s = steered()
     try:
-        s._set_phase_error(cluster_step=97, my_step=100)
+        s.pacer.set_phase_error(cluster_step=97, my_step=100)
         for _ in range(4):
             s.after_inner_step()
         assert s.step == 101  # three inner steps gave a schedule step back, the fourth advanced
@@ -153,7 +157,7 @@ def test_a_learner_ahead_trains_extra_steps_without_pushing_or_waiting() -> None
 def test_no_steering(align, blocking, cluster, mine) -> None:
     s = steered(align, blocking)
     try:
-        s._set_phase_error(cluster_step=cluster, my_step=mine)
+        s.pacer.set_phase_error(cluster_step=cluster, my_step=mine)
         for _ in range(3):
             s.after_inner_step()
         assert s.step == 103
@@ -164,12 +168,13 @@ def test_no_steering(align, blocking, cluster, mine) -> None:
 def test_only_the_phase_is_corrected_not_whole_periods() -> None:
     s = steered()  # H = 8
     try:
-        s._set_phase_error(cluster_step=100 - 5 * 8 + 3, my_step=100)  # 5 periods ahead, 3 behind
-        assert s._phase_debt == 3
-        s._set_phase_error(cluster_step=100 + 7, my_step=100)  # 7 behind = 1 ahead: in phase
-        assert s._phase_debt == 0
-        s._set_phase_error(cluster_step=100 + 4 * 8 - 3, my_step=100)
-        assert s._phase_debt == -3
+        # 5 periods ahead, 3 behind
+        s.pacer.set_phase_error(cluster_step=100 - 5 * 8 + 3, my_step=100)
+        assert s.pacer.phase_debt == 3
+        s.pacer.set_phase_error(cluster_step=100 + 7, my_step=100)  # 7 behind = 1 ahead: in phase
+        assert s.pacer.phase_debt == 0
+        s.pacer.set_phase_error(cluster_step=100 + 4 * 8 - 3, my_step=100)
+        assert s.pacer.phase_debt == -3
     finally:
         s.client.close()
 

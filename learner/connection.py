@@ -1,0 +1,42 @@
+"""The learner's channel to the aggregator: TLS credentials and the per-call metadata.
+
+    client = connect(config.connection)    # an AggregatorClient; nothing is sent yet
+
+Every call carries the learner id (the server's rate limits are per learner,
+server/ratelimit.py) and, with an auth_token_file, the learner's token (server/auth.py).
+A token file that cannot be read ends in one ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.rpc import LEARNER_ID_HEADER
+from common.tls import channel_credentials
+from learner.client import AggregatorClient
+from learner.config import ConnectionConfig
+
+
+def connect(config: ConnectionConfig) -> AggregatorClient:
+    """A client for `config.server`, in plaintext only when `insecure` says so."""
+    credentials = (
+        None
+        if config.insecure
+        else channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+    )
+    return AggregatorClient(config.server, credentials, auth_metadata(config))
+
+
+def auth_metadata(config: ConnectionConfig) -> tuple[tuple[str, str], ...]:
+    """The learner id and token that go with every call. Without a token the id still goes."""
+    if not config.auth_token_file:
+        return ((LEARNER_ID_HEADER, config.learner_id),)
+    try:
+        token = Path(config.auth_token_file).read_text().strip()
+    except OSError as err:
+        raise ValueError(
+            f"cannot read auth_token_file {config.auth_token_file}: {err.strerror}"
+        ) from err
+    if not token:
+        raise ValueError(f"auth_token_file {config.auth_token_file} is empty")
+    return ((LEARNER_ID_HEADER, config.learner_id), ("authorization", f"Bearer {token}"))

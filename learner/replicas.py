@@ -1,0 +1,109 @@
+"""The global fragments a join brings in: offered, continued from a checkpoint, or pulled.
+
+    replicas, kept = ReplicaLoader(client, transport, params, learner_id).load(
+        session_id, join_reply.fragments, resume)
+
+For each fragment the server lists at Join: if the run has no value for it yet (version
+< 0), this learner offers its own parameters as the initial one (the first offer wins; any
+later one is answered ALREADY_EXISTS). Then, for a fragment a checkpoint saved (`resume`),
+only the updates since the saved version are pulled, and if the run has not moved it
+meanwhile the learner keeps its local parameters for it (`kept`), so no inner step since the
+last push is lost. Every other fragment, or one the server cannot continue, comes as a
+snapshot. Nothing here retries: a server gone again fails the join, and the session backs
+off and joins later (SyncSession._try_rejoin).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import encode_fragment, params_crc32
+from learner.client import AggregatorClient
+from learner.progress import SavedReplica
+from learner.streaming import FragmentReplica
+from learner.transport import GrpcTransport
+
+log = logging.getLogger("diloco.learner")
+
+
+class ReplicaLoader:
+    """Fills a joining learner's replicas of the global fragments."""
+
+    def __init__(
+        self,
+        client: AggregatorClient,
+        transport: GrpcTransport,
+        params: Sequence[torch.Tensor],
+        learner_id: str,
+    ) -> None:
+        self.client, self.transport = client, transport
+        self.params, self.learner_id = list(params), learner_id
+
+    def load(
+        self,
+        session_id: str,
+        fragments: Sequence[pb.FragmentLayout],
+        resume: list[SavedReplica] | None,
+    ) -> tuple[list[FragmentReplica], set[int]]:
+        """(a replica per fragment at the run's version, the fragments whose local
+        parameters are still current and must be kept)."""
+        saved = {(r.fragment_id, tuple(r.indices)): r for r in resume or []}
+        replicas, kept = [], set()
+        for f in fragments:
+            replica = FragmentReplica(
+                f.fragment_id,
+                list(f.param_indices),
+                [tuple(self.params[i].shape) for i in f.param_indices],
+            )
+            if f.version < 0:
+                self._offer_initial_params(session_id, replica)
+            mine = saved.get((f.fragment_id, tuple(f.param_indices)))
+            if mine is not None and self._pull_since(replica, mine):
+                if replica.version == mine.version:
+                    kept.add(f.fragment_id)  # nobody moved it: keep the local progress
+            else:
+                replica.apply(self.transport.pull(replica.fragment_id, -1, 0, retry=False))
+            replicas.append(replica)
+        return replicas, kept
+
+    def _pull_since(self, replica: FragmentReplica, saved: SavedReplica) -> bool:
+        """Bring a saved replica up to date with the updates since its version; False if
+        the server cannot continue it (its state is not a continuation of ours)."""
+        replica.params, replica.version = [p.clone() for p in saved.params], saved.version
+        reply = self.transport.pull(replica.fragment_id, saved.version, 0, retry=False)
+        try:
+            replica.apply(reply)
+        except RuntimeError as err:  # the checksum after the update chain does not match
+            log.warning("learner=%s %s; pulling a snapshot", self.learner_id, err)
+            return False
+        if reply.version != replica.version or reply.params_crc32 != params_crc32(replica.params):
+            log.warning(
+                "learner=%s fragment %d: the server is at version %d, the checkpoint at %d; "
+                "pulling a snapshot",
+                self.learner_id,
+                replica.fragment_id,
+                reply.version,
+                saved.version,
+            )
+            return False
+        return True
+
+    def _offer_initial_params(self, session_id: str, replica: FragmentReplica) -> None:
+        header = pb.PushHeader(
+            session_id=session_id,
+            fragment_id=replica.fragment_id,
+            base_version=-1,
+            kind=pb.PUSH_KIND_INITIAL,
+        )
+        local = [self.params[i].detach() for i in replica.indices]
+        try:
+            self.client.push(header, encode_fragment(local, "fp32"))
+            log.info("learner=%s initialized fragment %d", self.learner_id, replica.fragment_id)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise  # otherwise another learner was first: fine, we pull theirs
