@@ -1,4 +1,4 @@
-"""The learner's Prometheus metrics (DESIGN.md section 8), read from its state at scrape time.
+"""The learner's Prometheus metrics, read from its state at scrape time.
 
     registry = sync.metrics_registry()     # a DilocoSync's; learner_registry(sync) builds it
     serve_metrics("0.0.0.0:9101", registry)   # common/metrics_http
