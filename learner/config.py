@@ -31,7 +31,8 @@ class ConnectionConfig:
     server: str = "127.0.0.1:50051"
     """host:port of the aggregator."""
     learner_id: str = ""
-    """Unique name of this learner (default: hostname-pid)."""
+    """Unique name of this learner (default: hostname-pid); its token, lease, rate limit and
+    checkpoint belong to this name."""
     tls_ca: str = ""
     """PEM CA to verify the server's certificate (default: the system's roots)."""
     tls_cert: str = ""
