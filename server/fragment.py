@@ -7,8 +7,8 @@ Q(u_v) … Q(u_now−1), adds them in order, and ends bit-identical to the serve
 the same float32 additions of the same decoded tensors. With `fp32` pulls the step is exactly
 torch.optim.SGD's and learners pull full snapshots.
 
-Memory (tests/unit/test_fragment_memory.py counts it): a fragment holds four fp32
-copies of itself — parameters, outer momentum, error-feedback residual and the round's sum
+Memory (tests/unit/test_fragment_memory.py counts it): a fragment holds four fp32 copies
+of itself — parameters, outer momentum, error-feedback residual and the round's sum
 (reused from round to round) — three with fp32 pulls, one more in async mode (Delayed
 Nesterov's pending sum); plus the log of 4-bit updates, at most a snapshot's bytes. The
 outer step works a chunk at a time; a snapshot is the parameters' bytes read in place, copied
