@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.codec import FP4_BLOCK, codec_id, dequantize_fp4, encoded_sizes, quantize_fp4
+from common.codec import FP4_BLOCK, codec_id, dequantize_fp4, quantize_fp4
+from common.fragment_wire import chain_parts, encoded_sizes, fragment_parts, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import params_crc32
 from server.ingest import DenseBody, PushBody
 from server.outer import OuterOptimizer
-from server.pull_parts import TensorBytes, chain_parts, snapshot_parts, tensor_parts
+from server.pull_parts import TensorBytes, snapshot_parts
 
 
 @dataclass
@@ -172,7 +173,7 @@ class FragmentState:
 
     def apply_mean(self, mean: list[torch.Tensor]) -> None:
         """One outer step along the round's mean pseudo-gradient; deterministic, so replaying
-        the logged means from a snapshot rebuilds the exact state (server/durable.py). The
+        the logged means from a snapshot rebuilds the exact state (server/persistence.py). The
         mean is left as it was."""
         if self.params is None:
             raise RuntimeError(f"fragment {self.fragment_id} has no parameters to update")
@@ -202,7 +203,7 @@ class FragmentState:
         self._updates.clear()
         self._update_bytes = 0
         for start, data in state["updates"]:
-            pb.EncodedFragment.FromString(data)  # refuse a corrupt log now, not at a pull
+            list(parse_fragment(data, self.shapes))  # refuse a corrupt log now, not at a pull
             self._updates.append((start, bytes(data)))
             self._update_bytes += len(data)
         self._snapshot, self._crc = None, None
@@ -231,7 +232,7 @@ class FragmentState:
 
     def _chain(self, have_version: int, crc: int) -> PullResult:
         """The serialized FragmentUpdates from `have_version`: the logged updates' own bytes
-        with a few bytes of framing (server/pull_parts.py)."""
+        with a few bytes of framing (common/fragment_wire.py: chain_parts)."""
         logged = (data for start, data in self._updates if start >= have_version)
         return PullResult(
             pb.PULL_KIND_UPDATES, self.version, chain_parts(have_version, logged), crc
@@ -245,8 +246,9 @@ class FragmentState:
 
     def _apply_quantized(self, mean: list[torch.Tensor]) -> None:
         """θ += Q(u + e), e ← (u + e) − Q(u + e), a chunk of the outer update u at a time, and
-        log Q(u + e) as a serialized EncodedFragment. Element-wise the same operations as on
-        whole tensors (and the same bytes as common.codec.encode), without any float32
+        log Q(u + e) as a serialized EncodedFragment (the wire format's writer,
+        common/fragment_wire.py). Element-wise the same operations as on whole tensors (and
+        the same bytes as common.wire.encode_fragment), without any float32
         temporary of the model's size: the server's memory stays at parameters, momentum,
         residual and the round's sum (tests/unit/test_fragment_memory.py)."""
         assert self.params is not None
@@ -272,12 +274,12 @@ class FragmentState:
             codes[i][start // 2 : start // 2 + packed.numel()] = packed
             first_block = start // FP4_BLOCK
             scales[i][first_block : first_block + scale_bytes.numel()] = scale_bytes
+        tensors = zip(self.shapes, codes, scales, strict=True)
         self._log_update(
             b"".join(
-                part
-                for shape, c, s in zip(self.shapes, codes, scales, strict=True)
-                for part in tensor_parts(
-                    self.pull_codec, shape, memoryview(c.numpy()), memoryview(s.numpy())
+                fragment_parts(
+                    (self.pull_codec, shape, memoryview(c.numpy()), memoryview(s.numpy()))
+                    for shape, c, s in tensors
                 )
             )
         )

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from common.config import ENV_PREFIX, build_config, flat_values, resolve_values, settings
+from common.config import ENV_PREFIX, build_config, env_name, flat_values, resolve_values, settings
 from learner.config import LearnerConfig
-from server.app import ServerConfig
+from server.config import ServerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SCRIPTS = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["scripts"]
@@ -32,7 +32,7 @@ def port_of(listen: str) -> int:
 
 def config_of(command: str, env: dict[str, str]) -> SimpleNamespace:
     """Build the daemon's config from the manifest's environment, as the daemon would; its
-    settings by their flat names (a config may be made of sections)."""
+    settings by flat name (`config.listen`), whichever section holds them."""
     cls = CONFIGS[command]
     unknown = [k for k in env if k.startswith(ENV_PREFIX) and k not in _env_names(cls)]
     assert not unknown, f"{command} has no setting for {unknown}"
@@ -40,7 +40,7 @@ def config_of(command: str, env: dict[str, str]) -> SimpleNamespace:
 
 
 def _env_names(cls) -> set[str]:
-    return {ENV_PREFIX + name.upper() for name in settings(cls)}
+    return {env_name(name) for name in settings(cls)}
 
 
 def pod_env(container: dict) -> dict[str, str]:
