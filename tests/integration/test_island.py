@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from tests.integration.conftest import REPO, TINY_LEARNER_FLAGS, learner_log
+from tests.support.processes import REPO, TINY_LEARNER_FLAGS, learner_log
 
 OUTER_STEPS = 3
 TOKENS_PER_RANK_STEP = 4 * 32  # batch size x block size in TINY_LEARNER_FLAGS

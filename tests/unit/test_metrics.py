@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
 from server.metrics import ServerMetrics
 from server.servicer import AggregatorServicer
-from tests.unit.test_aggregator import FINGERPRINT, FakeClock, tensors
+from tests.support.fakes import FINGERPRINT, FakeClock, tensors
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from learner.session import SyncSession
 from learner.trainer import Progress, Slowdown
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
 from server.policy import estimated_schedule_step, median_step_time_s
-from tests.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]
 

@@ -7,7 +7,7 @@ from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s, staleness_discount
-from tests.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]
 
