@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,7 +105,7 @@ def start_daemon(
 
     `port_file`: passed as --port-file; returns once the daemon has written it (it serves
     then), or raises RuntimeError if it exits first. `metrics`: serve /metrics on a free
-    loopback port (--metrics-listen 127.0.0.1:0) and report it next to the log file; not
+    loopback port (--metrics-listen 127.0.0.1:0) and report it in a file next to the log; not
     waited for (Daemon.metrics_port). `append`: keep the log of an earlier run (a restart).
     """
     argv = [str(arg) for arg in argv]
@@ -113,9 +114,9 @@ def start_daemon(
         port_file.unlink(missing_ok=True)  # a restart must not read its predecessor's port
         argv += ["--port-file", str(port_file)]
     if metrics:
+        # A file of this process's own: a restarted daemon's must never be read as this one's.
         base = log_path or Path(cwd) / name
-        metrics_port_file = base.with_name(f"{base.stem}.metrics-port")
-        metrics_port_file.unlink(missing_ok=True)
+        metrics_port_file = base.with_name(f"{base.stem}.{uuid.uuid4().hex[:8]}.metrics-port")
         argv += ["--metrics-listen", "127.0.0.1:0", "--metrics-port-file", str(metrics_port_file)]
     log = open(log_path, "a" if append else "w") if log_path is not None else None
     try:
