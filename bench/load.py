@@ -7,8 +7,8 @@
 
 The server runs as its own process (quorum mode, K = 8, 1 fragment, fp4 pulls) so its memory
 can be read from /proc. Each simulated learner is a thread with its own channel: it joins,
-pulls a snapshot, then loops push -> pull (waiting for the round to close, as a learner at
-its merge point does) for the whole run, sending a pre-encoded fp4 pseudo-gradient (no
+pulls a snapshot, then loops push -> pull (waiting for the round to close, as a sync-mode
+learner does at its merge point) for the whole run, sending a pre-encoded fp4 pseudo-gradient (no
 training: the load is the wire and the server). Reported: pushes per
 second, push latency p50/p99, the server's RSS over time against the fp32 model size, and
 every error by status; errors other than the intended rejections (none are intended here)
@@ -16,7 +16,7 @@ count as unexpected. server_rss_vs_model = (peak RSS - RSS once serving, before 
 fp32 model size, for this one run: at 4 MiB it is mostly the per-learner part (gRPC
 streams, threads, pushes in flight), not copies of the model.
 
---slopes separates the two (issue 7: <= 4 model copies + a fixed overhead, whatever the
+--slopes separates the two (target: <= 4 model copies + a fixed overhead, whatever the
 learner count) with two more servers, each with SLOPE_LEARNERS learners, at --model-mib and
 --slope-model-mib:
   server_rss_model_copies  = Δ(peak above idle) / Δ(model size) between the two models: the

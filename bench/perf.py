@@ -3,7 +3,7 @@
     python -m bench.perf            # make bench: the four figures + short quality/decoupled
     python -m bench.perf --quick    # make bench-quick: the four figures alone, <= 3 minutes
 
-Figures (targets from issue 7), written to bench/results/perf.json and plotted:
+Figures (each with its target), written to bench/results/perf.json and plotted:
 - codec_vs_memcpy: fp4_e2m1 quantize + dequantize of a 64 MiB float32 tensor, one thread,
   as a fraction of clone() of the same tensor (target >= 1/3). The pure-torch path is
   measured in the same run as the baseline the C kernel replaces.

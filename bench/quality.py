@@ -10,7 +10,8 @@ both ways, over an H sweep, plus candidate settings that narrow the gap at large
 Writes bench/results/quality.json, quality.png (eval loss vs tokens) and
 quality_tradeoff.png (gap vs bytes ratio). Bytes are payload bytes (encoded tensors) sent
 plus received by one learner, excluding the one-time initial parameter download that every
-method needs. Prints PASS/FAIL for the acceptance points of issue 3; never hides a FAIL.
+method needs. Prints PASS/FAIL for each quality target (`checks` in the JSON); never hides
+a FAIL.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # its momentum warmed up linearly from 0.5 over each fragment's first 20 rounds (twice the
 # momentum's memory of 1/(1-0.9) rounds). From a random start, momentum 0.9 amplifies each
 # round's step ~7x along directions that turn quickly: without the warm-up plain DiLoCo at
-# H=10 trails data-parallel by ~11% (README).
+# H=10 trails data-parallel by ~11% (docs/RESULTS.md).
 WARMUP_ROUNDS = 20
-# Streaming's merge weight of the local fragment. The issue's default is 0.5; with the
-# warm-up, a sweep (bench/outer_sweep.py --merge-alphas 0 0.05 0.1 0.25 --warmup-rounds 20)
-# found 0.05-0.1 best at H=10 and 0.05 at H=20: (d) runs 0.05.
+# Streaming's merge weight of the local fragment. The paper's (and the learner's) default
+# is 0.5; with the warm-up, a sweep (bench/outer_sweep.py --merge-alphas 0 0.05 0.1 0.25
+# --warmup-rounds 20) found 0.05-0.1 best at H=10 and 0.05 at H=20: (d) runs 0.05.
 MERGE_ALPHA = 0.05
 
 
@@ -62,18 +63,18 @@ def variants(h_values: list[int], fragments: int, tuning_h: int, tune: bool) -> 
     out.append(replace(b0, name=f"(c) Streaming fp32 H={h0}", fragments=fragments))
     if tune:
         # What the defaults above are worth, at H=10: the papers' plain outer step, and the
-        # issue's merge weight.
+        # papers' merge weight.
         d0 = next(v for v in out if v.name == f"(d) Streaming fp4+overlap H={h0}")
         out += [
             replace(b0, name=f"(b) DiLoCo H={h0} no warm-up", outer_momentum_warmup_rounds=0),
             replace(d0, name=f"(d) Streaming fp4+overlap H={h0} alpha 0.5", merge_alpha=0.5),
         ]
-        # Candidates that narrow the gap at large H (a 10% data-parallel warm start was
-        # measured before and does not pay for its bytes: README). At H=50 the 20-round
+        # Candidates that narrow the gap at large H (a 10% data-parallel warm start does not
+        # pay for its bytes: the 0.9 M table in docs/RESULTS.md). At H=50 the 20-round
         # warm-up spans the whole run.
         default = next(v for v in out if v.name == f"(d) Streaming fp4+overlap H={tuning_h}")
-        # Outer lr 1.5 was measured too (+35% against +7.9% at 0.7; README) and dropped to
-        # keep the run within 30 minutes.
+        # Outer lr 1.5 (+35% against +7.9% at 0.7, docs/RESULTS.md) is left out to keep the
+        # run within 30 minutes.
         out.append(replace(default, name=f"(d) H={tuning_h} outer lr 1.0", outer_lr=1.0))
     return out
 

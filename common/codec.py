@@ -28,6 +28,10 @@ Non-finite inputs are refused, never encoded.
 Devices: the 4-bit arithmetic runs where the tensor lives (a CUDA tensor is quantized on the
 GPU and only the packed bytes cross to the host); `decode(..., device="cuda")` unpacks there.
 The result is bit-identical on every device (bench/cuda_check.py checks it on a GPU).
+
+Framing, lengths, checksum and the checks a received tensor must pass are the wire format's,
+common/fragment_wire.py: `encode` builds its message with that module's writer, and `decode`
+reads one through its parser (check_tensor) before decoding the values (decode_values).
 """
 
 from __future__ import annotations
@@ -37,13 +41,39 @@ import math
 import torch
 
 from common import fp4_native
-from common.checksum import crc32
 from common.errors import InvalidArgument
+from common.fragment_wire import (
+    CODECS,
+    E8M0_NAN,
+    FP4_BLOCK,
+    NAN_SCALE,
+    NOT_FINITE,
+    WireTensor,
+    check_tensor,
+    encoded_sizes,
+    tensor_message,
+)
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
-FP4_BLOCK = 32
+# The codecs' names and byte sizes belong to the wire format (common/fragment_wire.py) and
+# are part of this module's interface too: they name and size the numbers encoded here.
+__all__ = [
+    "CODECS",
+    "E8M0_BIAS",
+    "FP4_BLOCK",
+    "FP4_GRIDS",
+    "ROUNDINGS",
+    "codec_id",
+    "decode",
+    "decode_values",
+    "dequantize_fp4",
+    "encode",
+    "encode_values",
+    "encoded_sizes",
+    "quantize_fp4",
+]
+
 E8M0_BIAS = 127
-E8M0_NAN = 255
 MIN_SCALE_EXP = -127  # the smallest E8M0 scale; 2^-127 is a float32 subnormal, still exact
 
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -58,31 +88,12 @@ FP4_GRIDS = {
 FP4_MIDPOINTS = {codec: (grid[1:] + grid[:-1]) / 2 for codec, grid in FP4_GRIDS.items()}
 ROUNDINGS = ("nearest", "stochastic")
 
-CODECS = {
-    "fp32": pb.CODEC_FP32,
-    "bf16": pb.CODEC_BF16,
-    "fp4_e2m1": pb.CODEC_FP4_E2M1,
-    "fp4_e3m0": pb.CODEC_FP4_E3M0,
-}
-CODEC_NAMES = {value: name for name, value in CODECS.items()}
-
 
 def codec_id(name: str) -> int:
     """The wire enum of a codec name; raises ValueError naming the valid choices."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
     return CODECS[name]
-
-
-def encoded_sizes(codec: int, numel: int) -> tuple[int, int]:
-    """Exact (payload, scales) byte lengths of a tensor of `numel` elements in `codec`."""
-    if codec == pb.CODEC_FP32:
-        return 4 * numel, 0
-    if codec == pb.CODEC_BF16:
-        return 2 * numel, 0
-    if codec in FP4_GRIDS:
-        return (numel + 1) // 2, (numel + FP4_BLOCK - 1) // FP4_BLOCK
-    raise InvalidArgument(f"unknown codec {codec}")
 
 
 def encode(
@@ -96,34 +107,40 @@ def encode(
     `rounding` applies to the 4-bit codecs; "stochastic" draws from `generator`.
     """
     codec = codec_id(codec) if isinstance(codec, str) else codec
+    payload, scales = encode_values(tensor, codec, rounding, generator)
+    return tensor_message(codec, tensor.shape, payload, scales)
+
+
+def encode_values(
+    tensor: torch.Tensor,
+    codec: int,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> tuple[memoryview, memoryview]:
+    """The (payload, scales) wire bytes of a tensor's values in `codec`, as encode makes them;
+    raises ValueError on non-finite values. The buffers may be the tensor's own memory: use
+    them before the tensor changes."""
     flat = tensor.detach().reshape(-1).to(torch.float32)
     if not bool(torch.isfinite(flat).all()):
         raise ValueError("cannot encode a tensor with NaN or infinite values")
     if codec == pb.CODEC_FP32:
-        payload, scales = _host_bytes(flat), b""
-    elif codec == pb.CODEC_BF16:
+        return _host_bytes(flat), memoryview(b"")
+    if codec == pb.CODEC_BF16:
         # Saturate: float32 values above bfloat16's largest would round to infinity.
         rounded = flat.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16)
         # bfloat16 has no numpy dtype: reinterpret the rounded bits as int16 to serialize.
-        payload, scales = _host_bytes(rounded.view(torch.int16)), b""
-    elif codec in FP4_GRIDS:
+        return _host_bytes(rounded.view(torch.int16)), memoryview(b"")
+    if codec in FP4_GRIDS:
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
         packed, scale_bytes = quantize_fp4(flat, codec, rounding == "stochastic", generator)
-        payload, scales = _host_bytes(packed), _host_bytes(scale_bytes)
-    else:
-        raise ValueError(f"unknown codec {codec}")
-    return pb.EncodedTensor(
-        codec=codec,
-        shape=list(tensor.shape),
-        payload=payload,
-        scales=scales,
-        crc32=crc32(scales, crc32(payload)),
-    )
+        return _host_bytes(packed), _host_bytes(scale_bytes)
+    raise ValueError(f"unknown codec {codec}")
 
 
-def _host_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.cpu().numpy().tobytes()
+def _host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a 1-D tensor, read in place where it is a contiguous CPU tensor already."""
+    return memoryview(tensor.cpu().contiguous().numpy()).cast("B")
 
 
 def decode(
@@ -131,38 +148,33 @@ def decode(
     expected_shape: tuple[int, ...] | None = None,
     device: str | torch.device = "cpu",
 ) -> torch.Tensor:
-    """Decode to float32 on `device` after checking codec, shape, lengths, checksum and scales.
+    """Decode to float32 on `device` after checking codec, shape, lengths, checksum and scales
+    (fragment_wire.check_tensor) and then the values.
 
     Raises InvalidArgument (nothing allocated in proportion to the claimed size) when any
     field is inconsistent, so a decoder fed garbage fails cleanly.
     """
-    shape = tuple(msg.shape)
-    if any(dim < 0 for dim in shape):
-        raise InvalidArgument(f"negative dimension in shape {shape}")
-    if expected_shape is not None and shape != tuple(expected_shape):
-        raise InvalidArgument(f"shape {shape} does not match expected {tuple(expected_shape)}")
-    numel = math.prod(shape)
-    payload_len, scales_len = encoded_sizes(msg.codec, numel)
-    if len(msg.payload) != payload_len or len(msg.scales) != scales_len:
-        raise InvalidArgument(
-            f"{CODEC_NAMES.get(msg.codec)} tensor of shape {shape} needs {payload_len} payload "
-            f"and {scales_len} scale bytes, got {len(msg.payload)} and {len(msg.scales)}"
-        )
-    if crc32(msg.scales, crc32(msg.payload)) != msg.crc32:
-        raise InvalidArgument("tensor checksum mismatch")
+    return decode_values(check_tensor(msg, expected_shape), device)
+
+
+def decode_values(tensor: WireTensor, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The float32 values of a checked tensor, on `device`, in its shape; raises
+    InvalidArgument when one is not finite."""
+    shape, numel = tensor.shape, tensor.numel
     if numel == 0:
         return torch.zeros(shape, dtype=torch.float32, device=device)
-    if msg.codec == pb.CODEC_FP32:
-        flat = torch.frombuffer(bytearray(msg.payload), dtype=torch.float32).to(device)
-    elif msg.codec == pb.CODEC_BF16:
-        flat = torch.frombuffer(bytearray(msg.payload), dtype=torch.bfloat16).to(device).float()
+    if tensor.codec == pb.CODEC_FP32:
+        flat = torch.frombuffer(bytearray(tensor.payload), dtype=torch.float32).to(device)
+    elif tensor.codec == pb.CODEC_BF16:
+        raw = torch.frombuffer(bytearray(tensor.payload), dtype=torch.bfloat16)
+        flat = raw.to(device).float()
     else:
-        packed = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8).to(device)
-        scales = torch.frombuffer(bytearray(msg.scales), dtype=torch.uint8).to(device)
-        flat = dequantize_fp4(packed, scales, numel, msg.codec)
+        packed = torch.frombuffer(bytearray(tensor.payload), dtype=torch.uint8).to(device)
+        scales = torch.frombuffer(bytearray(tensor.scales), dtype=torch.uint8).to(device)
+        flat = dequantize_fp4(packed, scales, numel, tensor.codec)
         return flat.reshape(shape)  # dequantize_fp4 has checked the values are finite
     if not bool(torch.isfinite(flat).all()):
-        raise InvalidArgument("tensor holds NaN or infinite values")
+        raise InvalidArgument(NOT_FINITE)
     return flat.reshape(shape)
 
 
@@ -248,12 +260,12 @@ def dequantize_fp4(
             packed.contiguous(), scale_bytes.contiguous(), numel, FP4_GRIDS[codec]
         )
         if status < 0:
-            raise InvalidArgument("FP4 block scale is NaN (E8M0 byte 255)")
+            raise InvalidArgument(NAN_SCALE)
         if status > 0:
-            raise InvalidArgument("tensor holds NaN or infinite values")
+            raise InvalidArgument(NOT_FINITE)
         return values
     if bool((scale_bytes == E8M0_NAN).any()):
-        raise InvalidArgument("FP4 block scale is NaN (E8M0 byte 255)")
+        raise InvalidArgument(NAN_SCALE)
     grid = FP4_GRIDS[codec].to(packed.device)
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:numel].long()
     magnitudes = grid[codes & 0x7]
@@ -262,5 +274,5 @@ def dequantize_fp4(
     per_element = exps.repeat_interleave(FP4_BLOCK)[:numel].float()
     decoded = torch.ldexp(values, per_element)
     if not bool(torch.isfinite(decoded).all()):
-        raise InvalidArgument("tensor holds NaN or infinite values")
+        raise InvalidArgument(NOT_FINITE)
     return decoded

@@ -1,11 +1,16 @@
 """Settings from a TOML file, `DILOCO_*` environment variables and flags, declared once.
 
-Every field of a `@dataclass(kw_only=True)` config becomes a `--field-name` flag whose help is
-the docstring written under the field, a key `field_name` of the TOML file given with
-`--config`, and an environment variable `DILOCO_FIELD_NAME`. Precedence, lowest first:
-the field's default < the config file < the environment < flags. The dataclass's
-`__post_init__` validates; a bad value, an unknown key or a value of the wrong type ends in one
-`error:` line from argparse (exit code 2), never a traceback.
+A daemon's config is a `@dataclass(kw_only=True)` whose fields are small per-component
+section dataclasses (connection, sync schedule, model, ...) and, rarely, plain values. Every
+plain field anywhere in that tree (a "setting") has one name, unique across the sections, and
+that name is its `--setting-name` flag (with the docstring written under the field as its
+help, grouped by section), its environment variable `DILOCO_SETTING_NAME`, and its TOML key:
+either at the top of the file given with `--config`, or inside the table of its section
+(`[sync]` then `sync_every_steps = 50`). Precedence, lowest first: the field's default < the
+config file < the environment < flags. Each section's `__post_init__` validates its own
+fields and the daemon config checks what spans sections; a bad value, an unknown key or a
+value of the wrong type ends in one `error:` line from argparse (exit code 2), never a
+traceback. `build_config` makes a config from flat setting names in code and tests.
 """
 
 from __future__ import annotations
@@ -47,8 +52,78 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One plain field of a config tree: its name, type, default, help and where it lives."""
+
+    name: str
+    kind: type
+    default: Any
+    doc: str
+    section: str  # the section field's name in the daemon config; "" for a top-level field
+
+
+def settings(cls: type) -> dict[str, Setting]:
+    """Every setting of the config class `cls`, by name, sections flattened (in order)."""
+    found: dict[str, Setting] = {}
+    hints, docs = _resolved_types(cls), field_docs(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if _is_section(kind):
+            inner = [dataclasses.replace(s, section=f.name) for s in _plain_settings(kind)]
+        else:
+            inner = [Setting(f.name, kind, _default(f), docs.get(f.name, ""), "")]
+        for setting in inner:
+            if setting.name in found:
+                raise TypeError(f"{cls.__name__}: setting {setting.name} is declared twice")
+            found[setting.name] = setting
+    return found
+
+
+def sections(cls: type) -> dict[str, type]:
+    """The section dataclasses of `cls`, by the name of the field that holds each."""
+    hints = _resolved_types(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if _is_section(hints[f.name])}
+
+
+def build_config(cls: type[T], values: Mapping[str, Any]) -> T:
+    """A config from flat setting names (`{"sync_every_steps": 20}`), sections filled in.
+
+    Raises ValueError naming an unknown setting, and whatever the sections' checks raise."""
+    known = settings(cls)
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown setting {unknown[0]!r} for {cls.__name__}; known: {', '.join(known)}"
+        )
+    nested: dict[str, Any] = {}
+    by_section: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        section = known[name].section
+        if section:
+            by_section.setdefault(section, {})[name] = value
+        else:
+            nested[name] = value
+    for name, kind in sections(cls).items():
+        nested[name] = kind(**by_section.get(name, {}))
+    return cls(**nested)
+
+
+def flat_values(config: Any) -> dict[str, Any]:
+    """The inverse of build_config: every setting of `config` by its flat name."""
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if _is_section(type(value)):
+            values.update({g.name: getattr(value, g.name) for g in dataclasses.fields(value)})
+        else:
+            values[f.name] = value
+    return values
+
+
 def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add `--config` and one flag per field of the dataclass `cls`, with its docstring.
+    """Add `--config` and one flag per setting of `cls`, with its docstring, grouped by
+    section (a section's own docstring is the group's description).
 
     Flags left out stay absent from the parsed namespace, so the file and the environment
     can supply them.
@@ -56,30 +131,32 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help=f"TOML file of settings (keys as below, with underscores); {ENV_PREFIX}* "
-        "environment variables override it and flags override both",
+        help=f"TOML file of settings (keys as below, with underscores, at the top or in their "
+        f"section's table); {ENV_PREFIX}* environment variables override it and flags override "
+        "both",
     )
-    docs = field_docs(cls)
-    hints = _resolved_types(cls)
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        kind = hints[f.name]
-        help_text = f"{docs.get(f.name, '')} [{env_name(f.name)}] (default: {default})"
-        if kind is bool:
-            parser.add_argument(
+    groups = {
+        name: parser.add_argument_group(name, inspect.getdoc(kind))
+        for name, kind in sections(cls).items()
+    }
+    for s in settings(cls).values():
+        target = groups.get(s.section, parser)
+        flag = "--" + s.name.replace("_", "-")
+        help_text = f"{s.doc} [{env_name(s.name)}] (default: {s.default})"
+        if s.kind is bool:
+            target.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
                 help=help_text,
             )
         else:
-            parser.add_argument(
+            target.add_argument(
                 flag,
-                type=kind,
+                type=s.kind,
                 default=argparse.SUPPRESS,
                 help=help_text,
-                metavar=f.name.upper(),
+                metavar=s.name.upper(),
             )
 
 
@@ -99,29 +176,32 @@ def config_from_args(
         values = resolve_values(
             cls, getattr(args, "config", None), os.environ if environ is None else environ
         )
-        names = {f.name for f in dataclasses.fields(cls)}
-        values.update({k: v for k, v in vars(args).items() if k in names})
-        return cls(**values)
+        known = settings(cls)
+        values.update({k: v for k, v in vars(args).items() if k in known})
+        return build_config(cls, values)
     except ValueError as err:
         # One line, without the usage text: the value is wrong, not the command's syntax.
         parser.exit(2, f"{parser.prog}: error: {err}\n")
 
 
 def resolve_values(cls: type, config_file: str | None, environ: Mapping[str, str]) -> dict:
-    """Field values from the TOML file, then the environment on top (flags come later)."""
-    hints = _resolved_types(cls)
+    """Setting values from the TOML file, then the environment on top (flags come later)."""
+    known = settings(cls)
     values: dict[str, Any] = {}
     if config_file:
-        values.update(load_toml(config_file, hints))
-    for name, kind in hints.items():
+        values.update(load_toml(config_file, known, set(sections(cls))))
+    for name, setting in known.items():
         var = env_name(name)
         if var in environ:
-            values[name] = _parse_env(var, environ[var], kind)
+            values[name] = _parse_env(var, environ[var], setting.kind)
     return values
 
 
-def load_toml(path: str, hints: Mapping[str, Any]) -> dict[str, Any]:
-    """The file's settings, each checked to be a known field of the right type."""
+def load_toml(
+    path: str, known: Mapping[str, Setting], section_names: set[str] = frozenset()
+) -> dict[str, Any]:
+    """The file's settings, flat, each checked to be a known setting of the right type and,
+    inside a section's table, to belong to that section."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -129,17 +209,38 @@ def load_toml(path: str, hints: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"cannot read config file {path}: {err.strerror}") from err
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"config file {path} is not valid TOML: {err}") from err
+    flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in hints:
-            hint = f" (did you mean {key.replace('-', '_')}?)" if "-" in key else ""
-            raise ValueError(f"config file {path}: unknown key {key!r}{hint}")
-        kind = hints[key]
-        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            ok, data[key] = True, float(value)
-        if not ok:
-            raise ValueError(f"config file {path}: {key} must be {TYPE_NAMES[kind]}, got {value!r}")
-    return data
+        if key in section_names and isinstance(value, dict):
+            for inner, inner_value in value.items():
+                where = f"[{key}] {inner}"
+                setting = _known_key(path, inner, known, where)
+                if setting.section != key:
+                    raise ValueError(
+                        f"config file {path}: {inner} belongs in [{setting.section}], not [{key}]"
+                        if setting.section
+                        else f"config file {path}: {inner} belongs at the top, not in [{key}]"
+                    )
+                flat[inner] = _checked(path, inner, inner_value, setting.kind)
+        else:
+            flat[key] = _checked(path, key, value, _known_key(path, key, known, key).kind)
+    return flat
+
+
+def _known_key(path: str, key: str, known: Mapping[str, Setting], where: str) -> Setting:
+    if key not in known:
+        hint = f" (did you mean {key.replace('-', '_')}?)" if "-" in key else ""
+        raise ValueError(f"config file {path}: unknown key {where!r}{hint}")
+    return known[key]
+
+
+def _checked(path: str, key: str, value: Any, kind: type) -> Any:
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ValueError(f"config file {path}: {key} must be {TYPE_NAMES[kind]}, got {value!r}")
+    return value
 
 
 def _parse_env(var: str, text: str, kind: type) -> Any:
@@ -155,6 +256,26 @@ def _parse_env(var: str, text: str, kind: type) -> Any:
         except ValueError:
             pass
     raise ValueError(f"environment variable {var} must be {TYPE_NAMES[kind]}, got {text!r}")
+
+
+def _plain_settings(section: type) -> list[Setting]:
+    hints, docs = _resolved_types(section), field_docs(section)
+    return [
+        Setting(f.name, hints[f.name], _default(f), docs.get(f.name, ""), "")
+        for f in dataclasses.fields(section)
+    ]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _is_section(kind: Any) -> bool:
+    return isinstance(kind, type) and dataclasses.is_dataclass(kind)
 
 
 def _resolved_types(cls: type) -> dict[str, Any]:

@@ -3,6 +3,8 @@
 A fragment's tensors travel as one serialized `EncodedFragment` message, cut into chunks of
 at most `CHUNK_BYTES` so that gRPC never has to hold a large message at once. The receiver
 checks the announced size against the most the fragment can take before it buffers anything.
+The bytes are written and checked by common/fragment_wire.py, the values encoded and decoded
+by common/codec.py; here they meet, a tensor at a time.
 """
 
 from __future__ import annotations
@@ -10,12 +12,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-from google.protobuf.message import DecodeError
 
 from common.checksum import crc32
-from common.codec import decode, encode, encoded_sizes
+from common.codec import codec_id, decode_values, encode_values
 from common.errors import InvalidArgument, ResourceExhausted
-from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.fragment_wire import (
+    check_fragment,
+    encoded_sizes,
+    fragment_parts,
+    parse_fragment,
+    parse_updates,
+)
 
 CHUNK_BYTES = 1 << 20
 # Per-tensor protobuf framing (tags, lengths, codec, shape, crc) stays far below this.
@@ -23,8 +30,11 @@ _FRAMING_BYTES_PER_TENSOR = 64
 
 
 def encode_fragment(tensors: Sequence[torch.Tensor], codec: str | int) -> bytes:
-    """Serialize the tensors of one fragment with `codec`."""
-    return pb.EncodedFragment(tensors=[encode(t, codec) for t in tensors]).SerializeToString()
+    """Serialize the tensors of one fragment with `codec`; raises ValueError on non-finite
+    values."""
+    codec = codec_id(codec) if isinstance(codec, str) else codec
+    encoded = [(codec, t.shape, *encode_values(t, codec)) for t in tensors]
+    return b"".join(fragment_parts(encoded))
 
 
 def max_fragment_bytes(shapes: Sequence[tuple[int, ...]], codec: int) -> int:
@@ -40,17 +50,9 @@ def max_fragment_bytes(shapes: Sequence[tuple[int, ...]], codec: int) -> int:
 
 
 def decode_fragment(data: bytes, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
-    """Parse and decode a fragment, checking the tensor count and every shape."""
-    try:
-        msg = pb.EncodedFragment.FromString(data)
-    except DecodeError as err:
-        raise InvalidArgument(f"fragment payload is not a valid EncodedFragment: {err}") from err
-    if len(msg.tensors) != len(shapes):
-        raise InvalidArgument(f"fragment has {len(msg.tensors)} tensors, expected {len(shapes)}")
-    codecs = {t.codec for t in msg.tensors}
-    if len(codecs) > 1:
-        raise InvalidArgument("all tensors of a fragment must use one codec")
-    return [decode(t, shape) for t, shape in zip(msg.tensors, shapes, strict=True)]
+    """Parse and decode a fragment, checking the tensor count, every shape and every value;
+    raises InvalidArgument."""
+    return [decode_values(t) for t in parse_fragment(data, shapes)]
 
 
 def chunks(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
@@ -98,16 +100,11 @@ def apply_updates(params: Sequence[torch.Tensor], data: bytes, have_version: int
     Every update is decoded and checked before the first one is applied, so a bad chain
     leaves the replica untouched. The additions are the server's own (θ += decode(update)).
     """
-    try:
-        chain = pb.FragmentUpdates.FromString(data)
-    except DecodeError as err:
-        raise InvalidArgument(f"update chain is not a valid FragmentUpdates: {err}") from err
-    if chain.from_version != have_version:
-        raise InvalidArgument(
-            f"update chain starts at version {chain.from_version}, replica is at {have_version}"
-        )
     shapes = [tuple(p.shape) for p in params]
-    decoded = [decode_fragment(u.SerializeToString(), shapes) for u in chain.updates]
+    decoded = [
+        [decode_values(t) for t in check_fragment(update, shapes)]
+        for update in parse_updates(data, have_version)
+    ]
     for update in decoded:
         for p, q in zip(params, update, strict=True):
             p.add_(q)

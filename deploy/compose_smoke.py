@@ -2,12 +2,13 @@
 
     python deploy/compose_smoke.py [--timeout-s 600] [--keep]
 
-Needs a running Docker engine and docker-compose (../shared/RUNBOOK.md). Works offline: if no
-base image is given (BASE_IMAGE), one is built from Debian packages with debootstrap (root),
-including Debian's prometheus for the Prometheus container; wheels come from pip's configured
-index into deploy/wheels/. Runs with deploy/docker-compose.host.yml, so every container uses
-host networking on 127.0.0.1. Grafana is left out here (no offline image); its provisioning
-is checked by tests/unit/test_deploy_manifests.py.
+Needs a running Docker engine and docker-compose (e.g. Debian's docker.io and docker-compose
+packages). Works offline: if no base image is given (BASE_IMAGE), one is built from Debian
+packages with debootstrap (root), including Debian's prometheus for the Prometheus
+container; wheels come from pip's configured index into deploy/wheels/. Runs with
+deploy/docker-compose.host.yml, so every container uses host networking on 127.0.0.1.
+Grafana is left out here (no offline image); its provisioning is checked by
+tests/unit/test_deploy_manifests.py.
 
 Steps, each bounded in time: build; up server + 3 learners + Prometheus; wait until
 Prometheus has every target up and every learner has finished outer steps; `kill -9` one
@@ -138,7 +139,9 @@ def main() -> int:
     deadline = time.monotonic() + args.timeout_s
     for tool in ("docker", "docker-compose"):
         if shutil.which(tool) is None:
-            parser.exit(2, f"compose_smoke: error: {tool} not found (see ../shared/RUNBOOK.md)\n")
+            parser.exit(
+                2, f"compose_smoke: error: {tool} not found (install Docker and docker-compose)\n"
+            )
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         parser.exit(2, "compose_smoke: error: the Docker engine is not running (start dockerd)\n")
     base = os.environ.get("BASE_IMAGE", DEFAULT_BASE)

@@ -1,4 +1,4 @@
-"""The learner's Prometheus metrics (DESIGN.md section 8), read from its state at scrape time.
+"""The learner's Prometheus metrics, read from its state at scrape time.
 
     registry = learner_registry(learner)   # then common/metrics_http.serve_metrics(...)
 

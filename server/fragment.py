@@ -7,8 +7,8 @@ Q(u_v) … Q(u_now−1), adds them in order, and ends bit-identical to the serve
 the same float32 additions of the same decoded tensors. With `fp32` pulls the step is exactly
 torch.optim.SGD's and learners pull full snapshots.
 
-Memory (issue 7; tests/unit/test_fragment_memory.py counts it): a fragment holds four fp32
-copies of itself — parameters, outer momentum, error-feedback residual and the round's sum
+Memory (tests/unit/test_fragment_memory.py counts it): a fragment holds four fp32 copies
+of itself — parameters, outer momentum, error-feedback residual and the round's sum
 (reused from round to round) — three with fp32 pulls, one more in async mode (Delayed
 Nesterov's pending sum); plus the log of 4-bit updates, at most a snapshot's bytes. The
 outer step works a chunk at a time; a snapshot is the parameters' bytes read in place, copied
@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.codec import FP4_BLOCK, codec_id, dequantize_fp4, encoded_sizes, quantize_fp4
+from common.codec import FP4_BLOCK, codec_id, dequantize_fp4, quantize_fp4
+from common.fragment_wire import chain_parts, encoded_sizes, fragment_parts, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import params_crc32
 from server.ingest import DenseBody, PushBody
 from server.outer import OuterOptimizer
-from server.pull_parts import TensorBytes, chain_parts, snapshot_parts, tensor_parts
+from server.pull_parts import TensorBytes, snapshot_parts
 
 
 @dataclass
@@ -202,7 +203,7 @@ class FragmentState:
         self._updates.clear()
         self._update_bytes = 0
         for start, data in state["updates"]:
-            pb.EncodedFragment.FromString(data)  # refuse a corrupt log now, not at a pull
+            list(parse_fragment(data, self.shapes))  # refuse a corrupt log now, not at a pull
             self._updates.append((start, bytes(data)))
             self._update_bytes += len(data)
         self._snapshot, self._crc = None, None
@@ -231,7 +232,7 @@ class FragmentState:
 
     def _chain(self, have_version: int, crc: int) -> PullResult:
         """The serialized FragmentUpdates from `have_version`: the logged updates' own bytes
-        with a few bytes of framing (server/pull_parts.py)."""
+        with a few bytes of framing (common/fragment_wire.py: chain_parts)."""
         logged = (data for start, data in self._updates if start >= have_version)
         return PullResult(
             pb.PULL_KIND_UPDATES, self.version, chain_parts(have_version, logged), crc
@@ -245,8 +246,9 @@ class FragmentState:
 
     def _apply_quantized(self, mean: list[torch.Tensor]) -> None:
         """θ += Q(u + e), e ← (u + e) − Q(u + e), a chunk of the outer update u at a time, and
-        log Q(u + e) as a serialized EncodedFragment. Element-wise the same operations as on
-        whole tensors (and the same bytes as common.codec.encode), without any float32
+        log Q(u + e) as a serialized EncodedFragment (the wire format's writer,
+        common/fragment_wire.py). Element-wise the same operations as on whole tensors (and
+        the same bytes as common.wire.encode_fragment), without any float32
         temporary of the model's size: the server's memory stays at parameters, momentum,
         residual and the round's sum (tests/unit/test_fragment_memory.py)."""
         assert self.params is not None
@@ -272,12 +274,12 @@ class FragmentState:
             codes[i][start // 2 : start // 2 + packed.numel()] = packed
             first_block = start // FP4_BLOCK
             scales[i][first_block : first_block + scale_bytes.numel()] = scale_bytes
+        tensors = zip(self.shapes, codes, scales, strict=True)
         self._log_update(
             b"".join(
-                part
-                for shape, c, s in zip(self.shapes, codes, scales, strict=True)
-                for part in tensor_parts(
-                    self.pull_codec, shape, memoryview(c.numpy()), memoryview(s.numpy())
+                fragment_parts(
+                    (self.pull_codec, shape, memoryview(c.numpy()), memoryview(s.numpy()))
+                    for shape, c, s in tensors
                 )
             )
         )

@@ -15,9 +15,9 @@ the round's sum.
 
 fp4 pushes take the C kernel (common/fp4_kernel.c: fp4_stats, fp4_accumulate), one pass over
 the packed codes each, reading the wire bytes in place, with the GIL released so that pushes
-in other slots proceed in parallel. Profiled before (bench/ingest.py --quick, py-spy), the
-torch chunk path spent ~27 ms per 4 M-value push on the checks and ~17 ms under the lock on
-the add, so the lock capped ingest near 2 MiB / 17 ms; the kernel takes ~0.3 ms (AVX2 table
+in other slots proceed in parallel. Profiled (bench/ingest.py --quick, py-spy), the torch
+chunk path spends ~27 ms per 4 M-value push on the checks and ~17 ms under the lock on the
+add, so the lock caps ingest near 2 MiB / 17 ms; the kernel takes ~0.3 ms (AVX2 table
 lookups) and ~1.5 ms (the sum's 16 MB read and write: memory bound).
 The add is bit-identical to torch's `add_(values, alpha=w)`, whose rounding differs by CPU
 (one FMA in its AVX2/AVX512 kernels, a multiply then an add in its baseline ones): the
@@ -30,10 +30,12 @@ Other codecs (and the torch path) decode `CHUNK_VALUES` at a time: a chunk of fl
 in the CPU cache between the decode and the add, so the second decode costs less than the
 memory traffic of a full copy.
 
-Every check of `common.wire.decode_fragment` and `common.codec.decode` is made here too, in the
-same order and with the same messages (tests/unit/test_ingest.py holds the two to each other),
-and the values are bit-identical: chunks are decoded by `common.codec.dequantize_fp4` itself,
-and an element-wise add over a slice gives the same float32 as over the whole tensor.
+A push is read through the wire format's one parser (common.fragment_wire.parse_fragment), as
+common.wire.decode_fragment reads it, so both refuse the same payloads with the same words
+(tests/unit/test_ingest.py). Only the values are checked here, a chunk at a time, with
+decode_values' words; they are bit-identical to decode's: chunks are decoded by
+`common.codec.dequantize_fp4` itself, and an element-wise add over a slice gives the same
+float32 as over the whole tensor.
 """
 
 from __future__ import annotations
@@ -42,41 +44,19 @@ import contextlib
 import math
 import queue
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
-from google.protobuf.message import DecodeError
 
 from common import fp4_native
-from common.checksum import crc32
-from common.codec import (
-    CODEC_NAMES,
-    E8M0_NAN,
-    FP4_BLOCK,
-    FP4_GRIDS,
-    dequantize_fp4,
-    encoded_sizes,
-)
+from common.codec import FP4_BLOCK, FP4_GRIDS, dequantize_fp4
 from common.errors import InvalidArgument
+from common.fragment_wire import NOT_FINITE, WireTensor, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 # Values decoded at a time: 512 KiB of float32, small enough to stay in cache from the decode
 # to the add, large enough that the per-chunk Python overhead (~30 µs) stays a few percent.
 CHUNK_VALUES = 1 << 17
-_NOT_FINITE = "tensor holds NaN or infinite values"
-_NAN_SCALE = "FP4 block scale is NaN (E8M0 byte 255)"  # codec.dequantize_fp4's words
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """One checked tensor of a push, still in its wire encoding."""
-
-    codec: int
-    shape: tuple[int, ...]
-    numel: int
-    payload: bytes
-    scales: bytes
 
 
 class _Scratch:
@@ -88,9 +68,9 @@ class _Scratch:
         self.wide = torch.empty(CHUNK_VALUES, dtype=torch.float64)  # for the sum of squares
         self._raw_np, self._scales_np = self.raw.numpy(), self.scales.numpy()
 
-    def chunk(self, t: _Tensor, start: int, stop: int) -> torch.Tensor:
+    def chunk(self, t: WireTensor, start: int, stop: int) -> torch.Tensor:
         """Values [start, stop) of `t` as float32 (start a multiple of CHUNK_VALUES); valid
-        until the next call. Raises InvalidArgument for a NaN scale or a non-finite value."""
+        until the next call. Raises InvalidArgument for a value that is not finite."""
         n = stop - start
         if t.codec == pb.CODEC_FP32:
             self._copy(self._raw_np, t.payload, 4 * start, 4 * n)
@@ -102,11 +82,11 @@ class _Scratch:
             n_bytes, n_scales = (n + 1) // 2, (n + FP4_BLOCK - 1) // FP4_BLOCK
             self._copy(self._raw_np, t.payload, start // 2, n_bytes)
             self._copy(self._scales_np, t.scales, start // FP4_BLOCK, n_scales)
-            # Checks the scales and that nothing decodes to infinity, like codec.decode.
+            # Refuses a value that decodes to infinity, as codec.decode_values does.
             return dequantize_fp4(self.raw[:n_bytes], self.scales[:n_scales], n, t.codec)
         low, high = torch.aminmax(values)  # NaN and infinities propagate to the extremes
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
-            raise InvalidArgument(_NOT_FINITE)
+            raise InvalidArgument(NOT_FINITE)
         return values
 
     @staticmethod
@@ -123,7 +103,7 @@ class PushBody:
 
     def __init__(
         self,
-        tensors: list[_Tensor],
+        tensors: list[WireTensor],
         scratch: _Scratch,
         squares: float,
         max_abs: float,
@@ -178,7 +158,7 @@ class PushBody:
                 done.add(id(t))
         return done
 
-    def _chunks(self) -> Iterator[tuple[_Tensor, int, int]]:
+    def _chunks(self) -> Iterator[tuple[WireTensor, int, int]]:
         for t in self._tensors:
             for start, stop in _spans(t.numel):
                 yield t, start, stop
@@ -190,20 +170,18 @@ def _spans(numel: int) -> Iterator[tuple[int, int]]:
 
 
 def _value_stats(
-    t: _Tensor, scratch: _Scratch, kernel: fp4_native.Kernel | None
+    t: WireTensor, scratch: _Scratch, kernel: fp4_native.Kernel | None
 ) -> tuple[float, float]:
-    """(sum of squares in float64, largest magnitude) of a tensor's values, in one kernel
-    pass for fp4 or else a chunk at a time; raises InvalidArgument for a NaN scale or a value
-    that is not finite (in codec.decode's order: every scale first)."""
+    """(sum of squares in float64, largest magnitude) of a checked tensor's values, in one
+    kernel pass for fp4 or else a chunk at a time; raises InvalidArgument for a value that is
+    not finite."""
     if kernel is not None and t.codec in FP4_GRIDS:
         status, squares, max_abs = kernel.stats(t.payload, t.scales, t.numel, FP4_GRIDS[t.codec])
-        if status < 0:
-            raise InvalidArgument(_NAN_SCALE)
+        if status < 0:  # parse_fragment refused NaN scales: a bug, not bad input
+            raise RuntimeError(f"fp4 stats failed on checked scales ({status})")
         if status > 0:
-            raise InvalidArgument(_NOT_FINITE)
+            raise InvalidArgument(NOT_FINITE)
         return squares, max_abs
-    if t.codec in FP4_GRIDS and E8M0_NAN in t.scales:  # before a chunk's infinities, as decode
-        raise InvalidArgument(_NAN_SCALE)
     squares, max_abs = 0.0, 0.0
     for start, stop in _spans(t.numel):
         values = scratch.chunk(t, start, stop)
@@ -213,26 +191,6 @@ def _value_stats(
         wide.copy_(values)
         squares += float(torch.dot(wide, wide))
     return squares, max_abs
-
-
-def _check_tensor(msg: pb.EncodedTensor, expected: tuple[int, ...]) -> _Tensor:
-    """codec.decode's checks, in its order and words, without decoding anything."""
-    shape = tuple(msg.shape)
-    if any(dim < 0 for dim in shape):
-        raise InvalidArgument(f"negative dimension in shape {shape}")
-    if shape != tuple(expected):
-        raise InvalidArgument(f"shape {shape} does not match expected {tuple(expected)}")
-    numel = math.prod(shape)
-    payload, scales = msg.payload, msg.scales  # each read copies out of the message: once
-    payload_len, scales_len = encoded_sizes(msg.codec, numel)
-    if len(payload) != payload_len or len(scales) != scales_len:
-        raise InvalidArgument(
-            f"{CODEC_NAMES.get(msg.codec)} tensor of shape {shape} needs {payload_len} payload "
-            f"and {scales_len} scale bytes, got {len(payload)} and {len(scales)}"
-        )
-    if crc32(scales, crc32(payload)) != msg.crc32:
-        raise InvalidArgument("tensor checksum mismatch")
-    return _Tensor(msg.codec, shape, numel, payload, scales)
 
 
 class IngestSlot:
@@ -248,32 +206,17 @@ class IngestSlot:
         release: bool = False,
     ) -> PushBody:
         """Check a serialized EncodedFragment against the fragment's shapes and read its norm
-        and largest magnitude; raises InvalidArgument like common.wire.decode_fragment.
+        and largest magnitude; raises InvalidArgument as common.wire.decode_fragment does.
 
         With `release`, a bytearray `data` is emptied once protobuf has parsed (copied) it,
         before the tensors' bytes are copied out of the message: a push then peaks at two
         copies of its payload here, not three (the caller's reference would keep it alive)."""
-        try:
-            msg = pb.EncodedFragment.FromString(data)
-        except DecodeError as err:
-            raise InvalidArgument(
-                f"fragment payload is not a valid EncodedFragment: {err}"
-            ) from err
-        finally:
-            if release and isinstance(data, bytearray):
-                data.clear()
-        if len(msg.tensors) != len(shapes):
-            raise InvalidArgument(
-                f"fragment has {len(msg.tensors)} tensors, expected {len(shapes)}"
-            )
-        if len({t.codec for t in msg.tensors}) > 1:
-            raise InvalidArgument("all tensors of a fragment must use one codec")
         kernel = fp4_native.load()
         tensors, squares, max_abs = [], 0.0, 0.0
-        for t, shape in zip(msg.tensors, shapes, strict=True):
-            tensors.append(_check_tensor(t, shape))
-            # Its values before the next tensor's header, in codec.decode's order.
-            tensor_squares, tensor_max = _value_stats(tensors[-1], self._scratch, kernel)
+        for t in parse_fragment(data, shapes, release=release):
+            # Its values before the next tensor is checked, as decode_fragment reads them.
+            tensor_squares, tensor_max = _value_stats(t, self._scratch, kernel)
+            tensors.append(t)
             squares, max_abs = squares + tensor_squares, max(max_abs, tensor_max)
         return PushBody(tensors, self._scratch, squares, max_abs, kernel)
 

@@ -1,4 +1,4 @@
-"""The aggregator's Prometheus metrics (DESIGN.md section 8), declared in one place.
+"""The aggregator's Prometheus metrics, declared in one place.
 
     metrics = ServerMetrics()                        # its own registry
     aggregator = Aggregator(config, events=metrics)  # events: rounds, staleness, snapshots

@@ -1,7 +1,6 @@
-"""Pull answers as lists of shared byte strings whose concatenation is the serialized message.
+"""Snapshot pull answers as shared byte strings whose concatenation is the serialized message.
 
     parts = snapshot_parts(params)                  # == encode_fragment(params, "fp32")
-    parts = chain_parts(have_version, logged)       # == FragmentUpdates(...).SerializeToString()
 
 A snapshot's big parts are TensorBytes: the parameters' bytes read in place, sliced (copied)
 a pull chunk at a time, and copied whole only if the parameters change while a pull still
@@ -15,22 +14,22 @@ Those large short-lived buffers, made by many RPC threads at once, fragmented th
 until the server's RSS grew with the number of learners (bench/load.py, 4 MiB model: 0.7 GB
 at 64 learners with about 0.16 GB of live heap). Here the big pieces (each tensor's float32
 bytes, each logged update) are made once and shared; the framing around them is a few bytes
-written by hand in protobuf's wire format. tests/unit/test_pull_parts.py holds the result
-byte-equal to protobuf's own serialization.
+written by the wire format's writer (common/fragment_wire.py: tensor_parts, and chain_parts
+for update chains). tests/unit/test_pull_parts.py holds the result byte-equal to protobuf's
+own serialization.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from common.checksum import crc32
+from common.fragment_wire import Part, fragment_parts
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
-_LENGTH_DELIMITED = 2
-# Snapshot payloads smaller than this are copied (servicer.py joins small parts as bytes).
+# Snapshot payloads smaller than this are copied.
 COPY_BELOW_BYTES = 64 << 10
 # Values checked for finiteness at a time (a bool temporary of this many bytes).
 _FINITE_CHECK_VALUES = 1 << 20
@@ -44,13 +43,15 @@ def snapshot_parts(
     the parameters is made unless they change while a pull still streams them. Raises
     ValueError for a non-finite value, as common.codec.encode does."""
     lock = lock or threading.Lock()
-    parts: list[Part] = []
-    for t in params:
-        payload: Part = TensorBytes(t, lock)
-        if len(payload) < COPY_BELOW_BYTES:  # small: a plain copy, joined with its framing
-            payload = bytes(payload)
-        parts += tensor_parts(pb.CODEC_FP32, tuple(t.shape), payload, b"")
-    return tuple(part for part in parts if len(part))
+    tensors = ((pb.CODEC_FP32, tuple(t.shape), _payload(t, lock), b"") for t in params)
+    return tuple(part for part in fragment_parts(tensors) if len(part))
+
+
+def _payload(t: torch.Tensor, lock: threading.Lock) -> Part:
+    """The tensor's bytes read in place, or a plain copy when small (servicer.py joins small
+    parts with their framing anyway)."""
+    payload = TensorBytes(t, lock)
+    return bytes(payload) if len(payload) < COPY_BELOW_BYTES else payload
 
 
 class TensorBytes:
@@ -98,47 +99,3 @@ class TensorBytes:
         """Keep a copy of the bytes, to serve after the tensor changes; call under the lock."""
         if self._view is not None:
             self._frozen, self._view = self._view.tobytes(), None
-
-
-def tensor_parts(codec: int, shape: Sequence[int], payload: Part, scales: Part) -> list[Part]:
-    """One `tensors` entry of a serialized EncodedFragment (codec.encode's message with its
-    field tag), as [framing, payload, framing, scales, framing]: the payload and scales are
-    passed through uncopied (bytes, a memoryview of a uint8 array, or TensorBytes)."""
-    n_payload, n_scales = len(payload), memoryview(scales).nbytes
-    payload_buffer = payload.buffer() if isinstance(payload, TensorBytes) else payload
-    # EncodedTensor fields in number order: codec, shape | payload | scales | crc32.
-    head = pb.EncodedTensor(codec=codec, shape=list(shape)).SerializeToString()
-    if n_payload:
-        head += _field_header(3, n_payload)
-    middle = _field_header(4, n_scales) if n_scales else b""
-    tail = pb.EncodedTensor(crc32=crc32(scales, crc32(payload_buffer))).SerializeToString()
-    size = len(head) + n_payload + len(middle) + n_scales + len(tail)
-    return [_field_header(1, size) + head, payload, middle, scales, tail]
-
-
-def chain_parts(have_version: int, updates: Iterable[bytes]) -> tuple[bytes, ...]:
-    """The serialized FragmentUpdates(from_version=have_version, updates=...) in parts, each
-    update being the logged bytes of a serialized EncodedFragment (shared, not copied)."""
-    parts = [pb.FragmentUpdates(from_version=have_version).SerializeToString()]
-    for data in updates:
-        parts += (_field_header(2, len(data)), data)
-    return tuple(part for part in parts if part)
-
-
-def _field_header(field_number: int, length: int) -> bytes:
-    """Tag and length of a length-delimited field."""
-    return _varint(field_number << 3 | _LENGTH_DELIMITED) + _varint(length)
-
-
-def _varint(value: int) -> bytes:
-    """Protobuf's base-128 varint of a non-negative int."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-# A piece of a pull answer: bytes, a memoryview of a uint8 array, or a tensor's bytes.
-Part = bytes | memoryview | TensorBytes

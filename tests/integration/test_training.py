@@ -174,7 +174,7 @@ def test_quorum_learners_never_wait_for_a_slow_island(start_service, start_learn
 
 def test_sigterm_reaches_a_learner_waiting_at_a_merge(start_service, start_learner, tmp_path):
     """sync mode: with its peer stalled, a learner waits at the merge; SIGTERM still stops it
-    cleanly (before the fix it hung until the round closed)."""
+    cleanly instead of waiting until the round closes."""
     service = start_service(lease_s=60.0)
     agg = service.aggregator
     waiting = start_learner(service.port, "waiting", "--max-outer-steps", "100000")
@@ -203,9 +203,9 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     so most rounds gather both. The control (--no-align-schedule) shows the test can tell
     the difference (measured in 7 runs: 82-100% full rounds against 0-5%).
 
-    A drift the test sets, rather than a one-off stall as before: learners on shared cores
-    also drift on their own (measured up to ~5 steps a second), so a stall's offset did not
-    stay put long enough for the control to be judged, and CI failed on it. The grace
+    A drift the test sets, rather than a one-off stall: learners on shared cores also drift
+    on their own (measured up to ~5 steps a second), so a stall's offset does not stay put
+    long enough for the control to be judged. The grace
     window (8 steps) is well wider than the few steps (about 3) by which the steering, one
     correction per heartbeat, lets two learners drifting 3 steps a second apart differ; at
     most one pass of the control through it (16 of 80 steps of phase) fits in the 20 s."""

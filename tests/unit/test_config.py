@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from common.config import add_config_flags, config_from_args
+from common.config import add_config_flags, build_config, config_from_args, flat_values
 from learner.config import LearnerConfig
 from server.app import ServerConfig
 
@@ -71,3 +72,77 @@ def test_example_config_files_load(name: str) -> None:
     path = Path(__file__).resolve().parents[2] / "deploy" / "config" / f"{name}.toml"
     config = config_from_args(parser, cls, parser.parse_args(["--config", str(path)]), {})
     assert config.metrics_listen.startswith("0.0.0.0:")
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Schedule:
+    """How often to sync."""
+
+    every_steps: int = 5
+    """Steps between syncs."""
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {self.every_steps}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Link:
+    """Where the server is."""
+
+    address: str = "127.0.0.1:1"
+    """host:port."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Daemon:
+    schedule: _Schedule = dataclasses.field(default_factory=_Schedule)
+    link: _Link = dataclasses.field(default_factory=_Link)
+    name: str = "d"
+    """A top-level setting."""
+
+
+def _nested(argv: list[str], environ: dict[str, str]) -> _Daemon:
+    parser = argparse.ArgumentParser(prog="daemon")
+    add_config_flags(parser, _Daemon)
+    return config_from_args(parser, _Daemon, parser.parse_args(argv), environ)
+
+
+def test_sections_take_flat_flags_env_and_toml_keys_or_tables(tmp_path: Path) -> None:
+    flat = tmp_path / "flat.toml"
+    flat.write_text('every_steps = 7\naddress = "h:2"\n')
+    tables = tmp_path / "tables.toml"
+    tables.write_text('name = "x"\n[schedule]\nevery_steps = 8\n[link]\naddress = "h:3"\n')
+    assert _nested(["--config", str(flat)], {}).schedule.every_steps == 7
+    got = _nested(["--config", str(tables)], {})
+    assert (got.schedule.every_steps, got.link.address, got.name) == (8, "h:3", "x")
+    got = _nested(["--config", str(tables), "--every-steps", "9"], {"DILOCO_ADDRESS": "h:4"})
+    assert (got.schedule.every_steps, got.link.address) == (9, "h:4")
+    assert build_config(_Daemon, {"every_steps": 3}).schedule.every_steps == 3
+    assert flat_values(got) == {"every_steps": 9, "address": "h:4", "name": "x"}
+
+
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        ("[link]\nevery_steps = 3\n", "every_steps belongs in [schedule], not [link]"),
+        ("[link]\nname = 'a'\n", "name belongs at the top, not in [link]"),
+        ("[schedule]\nevery = 3\n", "unknown key '[schedule] every'"),
+        ("[schedule]\nevery_steps = 0\n", "every_steps must be >= 1, got 0"),
+    ],
+)
+def test_bad_section_settings_exit_2_with_one_line(
+    tmp_path: Path, capsys, toml: str, message: str
+) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(SystemExit) as exited:
+        _nested(["--config", str(path)], {})
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_build_config_names_an_unknown_setting() -> None:
+    with pytest.raises(ValueError, match="unknown setting 'every' for _Daemon"):
+        build_config(_Daemon, {"every": 1})

@@ -1,4 +1,4 @@
-"""The server's memory in proportion to the model stays at four fp32 copies (issue 7).
+"""The server's memory in proportion to the model stays at four fp32 copies (the target).
 
 A fragment holds its parameters, the outer momentum, the error-feedback residual and the
 round's sum (kept between rounds and reused), plus a log of 4-bit updates no larger than one

@@ -1,5 +1,6 @@
 """server/ingest.py: a push added from its wire encoding equals the decoded path bit for bit,
-and is refused for exactly the inputs (and with the words) that decode_fragment refuses."""
+and is refused for exactly the inputs (and with the words) that decode and decode_fragment
+refuse: all three read it through one parser (common/fragment_wire.py)."""
 
 import threading
 import zlib
@@ -7,8 +8,9 @@ import zlib
 import pytest
 import torch
 
-from common.codec import encode
+from common.codec import decode, encode
 from common.errors import InvalidArgument
+from common.fragment_wire import NOT_FINITE, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import decode_fragment, encode_fragment
 from server.ingest import CHUNK_VALUES, DenseBody, IngestSlot, IngestSlots
@@ -119,6 +121,74 @@ def test_refuses_what_decode_fragment_refuses_with_the_same_reason(index: int) -
     with pytest.raises(InvalidArgument) as ingested:
         IngestSlot().parse(data, SHAPES)
     assert str(ingested.value) == str(decoded.value)
+
+
+def bad_tensors() -> dict[str, pb.EncodedTensor]:
+    """One fault each, in a tensor of shape SHAPES[0] (or claiming another shape)."""
+    good = encode(deltas(6)[0], "fp4_e2m1")
+    cases: dict[str, pb.EncodedTensor] = {}
+
+    def case(name: str, change) -> None:
+        msg = pb.EncodedTensor()
+        msg.CopyFrom(good)
+        change(msg)
+        cases[name] = msg
+
+    def reshape(msg: pb.EncodedTensor, shape: list[int]) -> None:
+        del msg.shape[:]
+        msg.shape.extend(shape)
+
+    def rescale(msg: pb.EncodedTensor, block: int, byte: int, codes: int | None = None) -> None:
+        scales, payload = bytearray(msg.scales), bytearray(msg.payload)
+        scales[block] = byte
+        if codes is not None:
+            payload[16 * block] = codes
+        msg.scales, msg.payload = bytes(scales), bytes(payload)
+        msg.crc32 = zlib.crc32(msg.scales, zlib.crc32(msg.payload))
+
+    case("negative dimension", lambda m: reshape(m, [-3, -(CHUNK_VALUES // 2 + 17)]))
+    case("other shape", lambda m: reshape(m, [3, 7]))
+    case("unknown codec", lambda m: setattr(m, "codec", 99))
+    case("short payload", lambda m: setattr(m, "payload", m.payload[:-1]))
+    case("extra scale", lambda m: setattr(m, "scales", m.scales + b"\x00"))
+    case("checksum", lambda m: setattr(m, "crc32", m.crc32 ^ 1))
+    case("NaN scale", lambda m: rescale(m, CHUNK_VALUES // 32 + 1, 255))
+    case("infinite fp4", lambda m: rescale(m, CHUNK_VALUES // 32 + 1, 254, 0x77))
+    case("NaN after infinity", lambda m: (rescale(m, 0, 254, 0x77), rescale(m, 5, 255)))
+    for value in (float("nan"), float("inf")):
+        cases[f"fp32 {value}"] = fp32_tensor_with(value)
+    return cases
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("name", list(bad_tensors()))
+def test_one_parser_refuses_for_decode_decode_fragment_and_ingest(
+    monkeypatch, kernel: str, name: str
+) -> None:
+    """The same bad tensor, alone (decode) or in a push (decode_fragment, the server's ingest
+    with and without the C kernel), is refused with the same words; the parser refuses
+    everything but bad values itself, before any value is decoded."""
+    monkeypatch.setenv("DILOCO_FP4_KERNEL", kernel)
+    msg = bad_tensors()[name]
+    rest = _rest("fp32" if msg.codec == pb.CODEC_FP32 else "fp4_e2m1")
+    for other in rest:
+        other.codec = msg.codec  # one codec, even an unknown one: the fault is msg's own
+    data = pb.EncodedFragment(tensors=[msg, *rest]).SerializeToString()
+    refusals = []
+    for reader in (
+        lambda: decode(msg, SHAPES[0]),
+        lambda: decode_fragment(data, SHAPES),
+        lambda: IngestSlot().parse(data, SHAPES),
+        lambda: list(parse_fragment(data, SHAPES)),
+    ):
+        try:
+            reader()
+        except InvalidArgument as err:
+            refusals.append(str(err))
+    if name.startswith("fp32") or name == "infinite fp4":  # the values: read by the decoders
+        assert refusals[:3] == [NOT_FINITE] * 3
+    else:
+        assert len(refusals) == 4 and len(set(refusals)) == 1, refusals
 
 
 def test_slots_bound_concurrent_pushes() -> None:

@@ -1,14 +1,13 @@
-"""Pull answers built from shared parts are byte-equal to protobuf's own serialization."""
+"""Snapshot pull answers built from shared parts are byte-equal to protobuf's own serialization
+and read the parameters in place; pull streams cut them without copying what fits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from common.codec import encode
-from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import apply_updates, encode_fragment
-from server.pull_parts import TensorBytes, chain_parts, snapshot_parts
+from common.wire import encode_fragment
+from server.pull_parts import TensorBytes, snapshot_parts
 from server.servicer import SMALL_PART_BYTES, _pieces
 
 
@@ -49,31 +48,6 @@ def test_snapshot_parts_read_the_parameters_in_place() -> None:
 def test_snapshot_parts_refuse_non_finite_values() -> None:
     with pytest.raises(ValueError, match="NaN or infinite"):
         snapshot_parts([torch.tensor([1.0, float("nan")])])
-
-
-@pytest.mark.parametrize("have_version", [0, 5, 127, 128, 300_000])
-def test_chain_parts_equal_fragment_updates(have_version: int) -> None:
-    torch.manual_seed(1)
-    updates = [
-        pb.EncodedFragment(tensors=[encode(torch.randn(n) * 1e-3, "fp4_e2m1")])
-        for n in (32, 70_000, 1000)
-    ]
-    logged = [u.SerializeToString() for u in updates]
-    parts = chain_parts(have_version, logged)
-    expected = pb.FragmentUpdates(from_version=have_version, updates=updates).SerializeToString()
-    assert b"".join(parts) == expected
-    assert any(part is logged[1] for part in parts)  # shared, not copied
-
-
-def test_chain_parts_apply_like_a_serialized_chain() -> None:
-    torch.manual_seed(2)
-    deltas = [torch.randn(64) * 1e-2 for _ in range(3)]
-    logged = [
-        pb.EncodedFragment(tensors=[encode(d, "fp4_e2m1")]).SerializeToString() for d in deltas
-    ]
-    replica = [torch.zeros(64)]
-    assert apply_updates(replica, b"".join(chain_parts(4, logged)), 4) == 7
-    assert not torch.equal(replica[0], torch.zeros(64))
 
 
 def test_pieces_keep_order_bound_size_and_do_not_copy_parts_that_fit() -> None:

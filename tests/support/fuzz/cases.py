@@ -8,7 +8,7 @@ checked after every call:
 - a refusal carries one of REFUSALS; while every earlier call of the case was refused (so the
   world is still as built), a `mutated_push` gets exactly the status its defect names;
 - a refused call leaves the aggregator's state bit-identical (state_digest). One refusal has a
-  designed side effect: a push refused by the norm guard records its learner
+  designed side effect (Aggregator.push): a push refused by the norm guard records its learner
   as having taken part in the round with nothing, so a sync round does not wait for it; for
   those the digest must differ by exactly that bookkeeping and nothing else;
 - an accepted call leaves parameters, momentum, residual and round sums finite;

@@ -1,0 +1,140 @@
+"""common/fragment_wire.py: the writer's bytes are protobuf's own and pinned; the parser checks
+framing, headers, lengths, checksums and scales without decoding the values."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from common.codec import decode, encode
+from common.errors import InvalidArgument
+from common.fragment_wire import (
+    CODECS,
+    NOT_FINITE,
+    chain_parts,
+    fragment_parts,
+    parse_fragment,
+    tensor_message,
+)
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import apply_updates, decode_fragment, encode_fragment
+
+
+def pinned_tensors() -> list[torch.Tensor]:
+    """Odd sizes, an empty and a 0-d tensor, and values near float32's smallest."""
+    g = torch.Generator().manual_seed(2024)
+    return [
+        torch.randn(3, 45, generator=g),
+        torch.randn(0, 4),
+        torch.randn((), generator=g) * 1e5,
+        torch.randn(70, generator=g) * 1e-30,
+    ]
+
+
+# (length, zlib CRC32) of encode_fragment(pinned_tensors(), codec): the wire bytes themselves.
+PINNED = {
+    "fp32": (879, 0xA80A6C04),
+    "bf16": (467, 0x7659A861),
+    "fp4_e2m1": (170, 0xFD8537DE),
+    "fp4_e3m0": (170, 0x2ADCAC87),
+}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_fragment_bytes_are_pinned_and_protobufs_own(codec: str) -> None:
+    tensors = pinned_tensors()
+    data = encode_fragment(tensors, codec)
+    assert (len(data), zlib.crc32(data)) == PINNED[codec]
+    # Protobuf's serialization of the same fields, checksummed here independently.
+    messages = []
+    for t in tensors:
+        msg = encode(t, codec)
+        expected_crc = zlib.crc32(msg.scales, zlib.crc32(msg.payload))
+        messages.append(
+            pb.EncodedTensor(
+                codec=CODECS[codec],
+                shape=list(t.shape),
+                payload=msg.payload,
+                scales=msg.scales,
+                crc32=expected_crc,
+            )
+        )
+    assert data == pb.EncodedFragment(tensors=messages).SerializeToString()
+
+
+def test_parts_pass_payloads_through_uncopied() -> None:
+    payload, scales = memoryview(bytes(range(200))), memoryview(b"\x7f" * 7)
+    parts = fragment_parts([(pb.CODEC_FP4_E2M1, (400,), payload, scales)])
+    assert any(p is payload for p in parts) and any(p is scales for p in parts)
+    (msg,) = pb.EncodedFragment.FromString(b"".join(parts)).tensors
+    assert msg == tensor_message(pb.CODEC_FP4_E2M1, (400,), payload, scales)
+    assert msg.payload == bytes(payload) and msg.scales == bytes(scales)
+
+
+@pytest.mark.parametrize("have_version", [0, 5, 127, 128, 300_000])
+def test_chain_parts_equal_fragment_updates(have_version: int) -> None:
+    torch.manual_seed(1)
+    updates = [
+        pb.EncodedFragment(tensors=[encode(torch.randn(n) * 1e-3, "fp4_e2m1")])
+        for n in (32, 70_000, 1000)
+    ]
+    logged = [u.SerializeToString() for u in updates]
+    parts = chain_parts(have_version, logged)
+    expected = pb.FragmentUpdates(from_version=have_version, updates=updates).SerializeToString()
+    assert b"".join(parts) == expected
+    assert any(part is logged[1] for part in parts)  # shared, not copied
+
+
+def test_chain_parts_apply_like_a_serialized_chain() -> None:
+    torch.manual_seed(2)
+    deltas = [torch.randn(64) * 1e-2 for _ in range(3)]
+    logged = [
+        pb.EncodedFragment(tensors=[encode(d, "fp4_e2m1")]).SerializeToString() for d in deltas
+    ]
+    replica = [torch.zeros(64)]
+    assert apply_updates(replica, b"".join(chain_parts(4, logged)), 4) == 7
+    assert not torch.equal(replica[0], torch.zeros(64))
+
+
+def _forged(t: torch.Tensor, codec: int, payload: bytes, scales: bytes = b"") -> bytes:
+    msg = pb.EncodedTensor(
+        codec=codec,
+        shape=list(t.shape),
+        payload=payload,
+        scales=scales,
+        crc32=zlib.crc32(scales, zlib.crc32(payload)),
+    )
+    return pb.EncodedFragment(tensors=[msg]).SerializeToString()
+
+
+def test_the_parser_checks_everything_but_the_values() -> None:
+    t = torch.tensor([1.0, float("nan"), 3.0])
+    data = _forged(t, pb.CODEC_FP32, t.numpy().tobytes())
+    (checked,) = parse_fragment(data, [(3,)])  # the values are not read ...
+    assert (checked.codec, checked.shape, checked.numel) == (pb.CODEC_FP32, (3,), 3)
+    with pytest.raises(InvalidArgument, match=NOT_FINITE):  # ... until they are decoded
+        decode_fragment(data, [(3,)])
+    with pytest.raises(InvalidArgument, match="checksum"):
+        list(parse_fragment(data[:-1] + bytes([data[-1] ^ 1]), [(3,)]))
+    nan_scale = _forged(torch.zeros(32), pb.CODEC_FP4_E2M1, bytes(16), b"\xff")
+    with pytest.raises(InvalidArgument, match="NaN"):
+        list(parse_fragment(nan_scale, [(32,)]))
+
+
+def test_release_empties_the_callers_buffer_even_when_refused() -> None:
+    data = bytearray(encode_fragment([torch.ones(4)], "fp32"))
+    assert len(list(parse_fragment(data, [(4,)], release=True))) == 1
+    assert len(data) == 0
+    garbage = bytearray(b"\xff\xff\xff")
+    with pytest.raises(InvalidArgument, match="not a valid EncodedFragment"):
+        parse_fragment(garbage, [(4,)], release=True)
+    assert len(garbage) == 0
+
+
+def test_decode_of_a_message_and_of_a_fragment_agree() -> None:
+    t = torch.randn(5, 7)
+    for codec in CODECS:
+        (from_fragment,) = decode_fragment(encode_fragment([t], codec), [(5, 7)])
+        assert torch.equal(decode(encode(t, codec), (5, 7)), from_fragment)
