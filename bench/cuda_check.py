@@ -29,7 +29,8 @@ from bench.simulate import InProcessTransport
 from common.codec import CODECS, decode, dequantize_fp4, encode, quantize_fp4
 from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
 
 
 def synchronize(device: torch.device) -> None:
@@ -114,7 +115,7 @@ def time_training(
     # The same loop with Streaming DiLoCo: P fragments, H = 20, τ = 1, fp4 pushes and pulls.
     params = [p for _, p in model.named_parameters()]
     specs = [ParamSpec(n, tuple(p.shape), "float32") for n, p in model.named_parameters()]
-    aggregator = Aggregator(AggregatorConfig(lease_s=1e9, fragments=fragments))
+    aggregator = Aggregator(aggregator_config(lease_s=1e9, fragments=fragments))
     session = aggregator.join("cuda-check", specs).session_id
     replicas = []
     for fid, indices, _ in aggregator.layout():

@@ -21,7 +21,8 @@ from common.wire import decode_fragment
 from learner.data import BatchSampler, load_corpus
 from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
 
 
 @dataclass(kw_only=True)
@@ -205,7 +206,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
         )
     specs = [ParamSpec(n, tuple(p.shape), "float32") for n, p in model.named_parameters()]
     aggregator = Aggregator(
-        AggregatorConfig(
+        aggregator_config(
             lease_s=1e9,
             fragments=variant.fragments,
             pull_codec=variant.pull_codec,

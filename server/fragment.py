@@ -173,7 +173,7 @@ class FragmentState:
 
     def apply_mean(self, mean: list[torch.Tensor]) -> None:
         """One outer step along the round's mean pseudo-gradient; deterministic, so replaying
-        the logged means from a snapshot rebuilds the exact state (server/durable.py). The
+        the logged means from a snapshot rebuilds the exact state (server/persistence.py). The
         mean is left as it was."""
         if self.params is None:
             raise RuntimeError(f"fragment {self.fragment_id} has no parameters to update")

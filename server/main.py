@@ -14,12 +14,14 @@ import threading
 
 from common.config import add_config_flags, config_from_args
 from common.metrics_http import serve_metrics
-from server.app import AggregatorService, ServerConfig
+from server.app import AggregatorService
+from server.config import ServerConfig
 from server.runtime import limit_malloc_arenas, single_threaded_torch, start_malloc_trimmer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: every ServerConfig field as a flag, plus --config (a TOML file)."""
+    """The command line: every ServerConfig setting as a flag, grouped by section, plus
+    --config (a TOML file)."""
     parser = argparse.ArgumentParser(prog="diloco-server", description=__doc__.splitlines()[0])
     add_config_flags(parser, ServerConfig)
     return parser
@@ -34,7 +36,8 @@ def parse_config(argv: list[str], environ: dict[str, str] | None = None) -> Serv
 def main() -> None:
     parser = build_parser()
     config = config_from_args(parser, ServerConfig, parser.parse_args())
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(name)s %(message)s")
+    observability = config.observability
+    logging.basicConfig(level=observability.log_level, format="%(asctime)s %(name)s %(message)s")
     limit_malloc_arenas()  # before the server's threads start allocating (server/runtime.py)
     single_threaded_torch()
     stop = threading.Event()
@@ -43,9 +46,11 @@ def main() -> None:
     start_malloc_trimmer(stop)  # bounded RSS under many learners (server/runtime.py)
     try:
         service = AggregatorService(config)
-        if config.metrics_listen:
+        if observability.metrics_listen:
             port = serve_metrics(
-                config.metrics_listen, service.metrics.registry, config.metrics_port_file
+                observability.metrics_listen,
+                service.metrics.registry,
+                observability.metrics_port_file,
             )
             logging.getLogger("diloco.server").info("metrics on port %d at /metrics", port)
     except (OSError, ValueError) as err:  # a port in use, an unreadable certificate

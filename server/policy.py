@@ -1,12 +1,9 @@
-"""When a round closes and how much each contribution counts (DESIGN.md section 4).
+"""The formulas behind the round policies of server/rounds.py (DESIGN.md section 4).
 
-- `sync` (DiLoCo, Streaming DiLoCo): a round closes when every live learner has pushed.
-- `quorum` (Decoupled DiLoCo): it closes when at least `min_contributors` have pushed and a
-  grace window has passed since then, or when every live learner has pushed. The window is
-  `grace_steps` times the median inner-step time the live learners report, clamped to
-  [grace_min_s, grace_max_s]: long enough for a learner a few steps behind to make it, short
-  enough that a stalled one costs little.
-- `async`: every push closes its own round (with Delayed Nesterov as the outer optimizer).
+Grace window (quorum): once `min_contributors` have pushed, a round waits `grace_steps` times
+the median inner-step time the live learners report, clamped to [grace_min_s, grace_max_s]:
+long enough for a learner a few steps behind to make it, short enough that a stalled one
+costs little.
 
 Weights (Decoupled DiLoCo): `tokens_squared_per_step` gives w = tokens·tokens/steps, so a
 learner that got through more data per step counts more; `tokens` gives w = tokens; `equal`

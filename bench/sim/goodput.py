@@ -39,7 +39,8 @@ from bench.sim.engine import EventQueue, Link, VirtualClock
 from bench.sim.model import FragmentPlan, ModelSpec
 from common.errors import AlreadyExists, FailedPrecondition, NotFound
 from learner.streaming import Schedule
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
 from server.policy import grace_window_s
 
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
@@ -158,7 +159,7 @@ class QuorumRun:
         self.snapshot_bytes = FragmentPlan.build(spec, 1, "fp32").total_bytes
         self.chips_per_learner = scenario.chips / setup.learners
         self.agg = Aggregator(
-            AggregatorConfig(
+            aggregator_config(
                 mode="quorum",
                 fragments=setup.fragments,
                 min_contributors=setup.min_quorum or max(1, setup.learners // 2),

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from server.app import AggregatorService, ServerConfig
+from common.config import build_config
+from server.app import AggregatorService
+from server.config import ServerConfig
 from tests.support.processes import learner_process
 
 
@@ -19,7 +21,8 @@ def start_service() -> Iterator[Callable[..., AggregatorService]]:
 
     def start(**config) -> AggregatorService:
         tls = any(key.startswith("tls_") for key in config)
-        service = AggregatorService(ServerConfig(listen="127.0.0.1:0", insecure=not tls, **config))
+        settings = {"listen": "127.0.0.1:0", "insecure": not tls, **config}
+        service = AggregatorService(build_config(ServerConfig, settings))
         service.start()
         services.append(service)
         return service

@@ -13,10 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from common.config import build_config
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.tls import channel_credentials
 from learner.client import AggregatorClient
-from server.app import ServerConfig
+from server.config import ServerConfig
 from tests.support.processes import REPO, TINY_LEARNER_FLAGS
 
 SPECS = [pb.ParamSpec(name="w", shape=[4], dtype="float32")]
@@ -114,12 +115,17 @@ def test_a_learner_process_trains_over_mutual_tls(start_service, pki: Path) -> N
     assert service.aggregator.version(0) >= 2
 
 
+def server_config(**settings) -> ServerConfig:
+    return build_config(ServerConfig, settings)
+
+
 def test_plaintext_is_never_the_silent_default(pki: Path) -> None:
     with pytest.raises(ValueError, match="or insecure to serve in plaintext"):
-        ServerConfig(listen="127.0.0.1:0")
+        server_config(listen="127.0.0.1:0")
     with pytest.raises(ValueError, match="exclude each other"):
-        ServerConfig(listen="127.0.0.1:0", insecure=True, tls_cert=str(pki / "server.crt"))
+        server_config(listen="127.0.0.1:0", insecure=True, tls_cert=str(pki / "server.crt"))
+    config = server_config(listen="127.0.0.1:0", tls_cert="/nope.crt", tls_key="/nope.key")
     with pytest.raises(ValueError, match="cannot read tls_key file"):
-        ServerConfig(listen="127.0.0.1:0", tls_cert="/nope.crt", tls_key="/nope.key").credentials()
+        config.network.credentials()
     with pytest.raises(ValueError, match="is not PEM"):
         channel_credentials(str(pki / "server.ext"))

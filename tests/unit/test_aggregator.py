@@ -4,14 +4,15 @@ import pytest
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
 from server.outer import NesterovOuter
 from tests.support.fakes import FINGERPRINT, SHAPES, FakeClock, tensors
 
 
 def make(n_learners: int, **config) -> tuple[Aggregator, list[str], FakeClock]:
     clock = FakeClock()
-    agg = Aggregator(AggregatorConfig(**config), clock=clock)
+    agg = Aggregator(aggregator_config(**config), clock=clock)
     sessions = [agg.join(f"l{i}", FINGERPRINT).session_id for i in range(n_learners)]
     agg.initialize(sessions[0], 0, tensors(0))
     return agg, sessions, clock
@@ -178,14 +179,14 @@ def test_rejoin_replaces_the_old_session() -> None:
 
 def test_config_errors_name_the_field() -> None:
     with pytest.raises(ValueError, match="outer_momentum"):
-        AggregatorConfig(outer_momentum=1.0)
+        aggregator_config(outer_momentum=1.0)
     with pytest.raises(ValueError, match="mode"):
-        AggregatorConfig(mode="gossip")
+        aggregator_config(mode="gossip")
     with pytest.raises(ValueError, match="outer_momentum_warmup_rounds"):
-        AggregatorConfig(outer_momentum_warmup_rounds=-1)
+        aggregator_config(outer_momentum_warmup_rounds=-1)
     with pytest.raises(ValueError, match="outer_momentum_warmup_start"):
-        AggregatorConfig(outer_momentum_warmup_start=1.0)
+        aggregator_config(outer_momentum_warmup_start=1.0)
     with pytest.raises(ValueError, match="async"):
-        AggregatorConfig(mode="async", outer_momentum_warmup_rounds=10)
+        aggregator_config(mode="async", outer_momentum_warmup_rounds=10)
     with pytest.raises(ValueError, match="must not exceed outer_momentum"):
-        AggregatorConfig(outer_momentum=0.3, outer_momentum_warmup_rounds=10)
+        aggregator_config(outer_momentum=0.3, outer_momentum_warmup_rounds=10)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from common.config import add_config_flags, build_config, config_from_args, flat_values
+from common.config import add_config_flags, build_config, config_from_args, flat_values, sections
 from learner.config import LearnerConfig
-from server.app import ServerConfig
+from server.config import AggregatorConfig, ServerConfig
 
 
 def build(argv: list[str], environ: dict[str, str]) -> ServerConfig:
@@ -23,13 +23,48 @@ def build(argv: list[str], environ: dict[str, str]) -> ServerConfig:
 def test_defaults_then_file_then_environment_then_flags(tmp_path: Path) -> None:
     config_file = tmp_path / "server.toml"
     config_file.write_text('lease_s = 7\nfragments = 3\nmode = "quorum"\n')
-    assert build([], {}).lease_s == 10.0  # the default
-    got = build(["--config", str(config_file)], {})
-    assert (got.lease_s, got.fragments, got.mode) == (7.0, 3, "quorum")
-    got = build(["--config", str(config_file)], {"DILOCO_LEASE_S": "8", "DILOCO_FRAGMENTS": "2"})
-    assert (got.lease_s, got.fragments, got.mode) == (8.0, 2, "quorum")
-    got = build(["--config", str(config_file), "--lease-s", "9"], {"DILOCO_LEASE_S": "8"})
-    assert (got.lease_s, got.fragments) == (9.0, 3)
+    assert build([], {}).membership.lease_s == 10.0  # the default
+    got = flat_values(build(["--config", str(config_file)], {}))
+    assert (got["lease_s"], got["fragments"], got["mode"]) == (7.0, 3, "quorum")
+    got = flat_values(
+        build(["--config", str(config_file)], {"DILOCO_LEASE_S": "8", "DILOCO_FRAGMENTS": "2"})
+    )
+    assert (got["lease_s"], got["fragments"], got["mode"]) == (8.0, 2, "quorum")
+    got = flat_values(
+        build(["--config", str(config_file), "--lease-s", "9"], {"DILOCO_LEASE_S": "8"})
+    )
+    assert (got["lease_s"], got["fragments"]) == (9.0, 3)
+
+
+def test_server_settings_may_sit_in_their_sections_tables(tmp_path: Path, capsys) -> None:
+    config_file = tmp_path / "server.toml"
+    config_file.write_text(
+        'lease_s = 7\n[rounds]\nmode = "quorum"\n[streaming]\nfragments = 3\n'
+        '[network]\nlisten = "0.0.0.0:1"\n'
+    )
+    got = build(["--config", str(config_file), "--max-staleness", "2"], {"DILOCO_OUTER_LR": "0.5"})
+    assert (got.membership.lease_s, got.rounds.mode, got.streaming.fragments) == (7.0, "quorum", 3)
+    assert (got.network.listen, got.rounds.max_staleness, got.outer.outer_lr) == (
+        "0.0.0.0:1",
+        2,
+        0.5,
+    )
+    config_file.write_text("[outer]\nfragments = 2\n")
+    with pytest.raises(SystemExit):
+        build(["--config", str(config_file)], {})
+    assert "fragments belongs in [streaming], not [outer]" in capsys.readouterr().err
+
+
+def test_the_aggregator_config_is_the_server_config_without_the_service() -> None:
+    server, aggregator = sections(ServerConfig), sections(AggregatorConfig)
+    assert aggregator.items() <= server.items()
+    assert set(server) - set(aggregator) == {"network", "limits", "observability"}
+    config = build_config(AggregatorConfig, {"mode": "async", "fragments": 2})
+    assert (config.rounds.weighting, config.streaming.fragments) == ("tokens_squared_per_step", 2)
+    with pytest.raises(ValueError, match="async mode's Delayed Nesterov has no warm-up"):
+        build_config(
+            ServerConfig, {"insecure": True, "mode": "async", "outer_momentum_warmup_rounds": 3}
+        )
 
 
 @pytest.mark.parametrize(
@@ -71,7 +106,7 @@ def test_example_config_files_load(name: str) -> None:
     add_config_flags(parser, cls)
     path = Path(__file__).resolve().parents[2] / "deploy" / "config" / f"{name}.toml"
     config = config_from_args(parser, cls, parser.parse_args(["--config", str(path)]), {})
-    assert config.metrics_listen.startswith("0.0.0.0:")
+    assert flat_values(config)["metrics_listen"].startswith("0.0.0.0:")
 
 
 @dataclasses.dataclass(kw_only=True)

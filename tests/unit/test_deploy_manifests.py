@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
-from common.config import ENV_PREFIX, resolve_values
+from common.config import ENV_PREFIX, build_config, env_name, flat_values, resolve_values, settings
 from learner.config import LearnerConfig
-from server.app import ServerConfig
+from server.config import ServerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SCRIPTS = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["scripts"]
@@ -29,16 +30,17 @@ def port_of(listen: str) -> int:
     return int(listen.rpartition(":")[2])
 
 
-def config_of(command: str, env: dict[str, str]):
-    """Build the daemon's config from the manifest's environment, as the daemon would."""
+def config_of(command: str, env: dict[str, str]) -> SimpleNamespace:
+    """Build the daemon's config from the manifest's environment, as the daemon would; its
+    settings by flat name (`config.listen`), whichever section holds them."""
     cls = CONFIGS[command]
     unknown = [k for k in env if k.startswith(ENV_PREFIX) and k not in _env_names(cls)]
     assert not unknown, f"{command} has no setting for {unknown}"
-    return cls(**resolve_values(cls, None, env))
+    return SimpleNamespace(**flat_values(build_config(cls, resolve_values(cls, None, env))))
 
 
 def _env_names(cls) -> set[str]:
-    return {ENV_PREFIX + name.upper() for name in cls.__dataclass_fields__}
+    return {env_name(name) for name in settings(cls)}
 
 
 def pod_env(container: dict) -> dict[str, str]:

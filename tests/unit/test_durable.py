@@ -8,8 +8,9 @@ import zlib
 import pytest
 import torch
 
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
-from server.durable import LogRecord, StateStore
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
+from server.persistence import LogRecord, StateStore
 
 SPECS = [ParamSpec("blocks.0.w", (8, 4), "float32"), ParamSpec("blocks.1.w", (40,), "float32")]
 
@@ -20,7 +21,7 @@ def delta(seed: int) -> list[list[torch.Tensor]]:
 
 
 def start(state_dir, **config) -> tuple[Aggregator, str]:
-    agg = Aggregator(AggregatorConfig(state_dir=str(state_dir), fragments=2, **config))
+    agg = Aggregator(aggregator_config(state_dir=str(state_dir), fragments=2, **config))
     return agg, agg.join("l0", SPECS).session_id
 
 
@@ -97,7 +98,7 @@ def test_state_dir_refuses_other_settings(tmp_path) -> None:
     agg, s = start(tmp_path)
     agg.initialize(s, 0, [torch.ones(8, 4)])
     with pytest.raises(ValueError, match="was written with"):
-        Aggregator(AggregatorConfig(state_dir=str(tmp_path), fragments=1))
+        Aggregator(aggregator_config(state_dir=str(tmp_path), fragments=1))
 
 
 def test_crash_between_snapshot_and_log_reset_replays_nothing_twice(tmp_path) -> None:

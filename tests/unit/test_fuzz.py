@@ -82,7 +82,7 @@ def test_digest_sees_a_single_bit_and_ignores_nothing_else() -> None:
     world = build_world(Scenario(mode="quorum", fragments=2))
     before = state_digest(world.aggregator)
     assert state_digest(world.aggregator) == before
-    params = world.aggregator._fragments[1].params
+    params = world.aggregator._params.fragments[1].params
     params[0].view(-1).view(torch.int32)[3] ^= 1  # one bit of one parameter
     assert state_digest(world.aggregator) != before
 
@@ -94,7 +94,7 @@ def test_harness_reports_a_servicer_that_changes_state_before_refusing(monkeypat
     call = Call("PushFragment", push_messages(world.sessions[MALLORY], 0, 4, payload), None, "t")
 
     def corrupting_push(self, session_id, fragment_id, *args, **kwargs):
-        self._fragments[fragment_id].params[0].view(-1)[0] += 1.0
+        self._params.fragments[fragment_id].params[0].view(-1)[0] += 1.0
         raise InvalidArgument("refused after touching the state")
 
     monkeypatch.setattr("server.aggregator.Aggregator.push", corrupting_push)

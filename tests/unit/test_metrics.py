@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from prometheus_client import generate_latest
 
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
 from server.metrics import ServerMetrics
 from server.servicer import AggregatorServicer, MergedTokens
 from tests.support.fakes import FINGERPRINT, FakeClock, tensors
@@ -20,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_server_metrics_record_rounds_staleness_and_state() -> None:
     clock, metrics = FakeClock(), ServerMetrics()
     agg = Aggregator(
-        AggregatorConfig(mode="quorum", min_contributors=2), clock=clock, events=metrics
+        aggregator_config(mode="quorum", min_contributors=2), clock=clock, events=metrics
     )
     servicer = AggregatorServicer(agg)
     metrics.watch(agg, servicer)
@@ -82,7 +83,7 @@ def test_metrics_of_two_servers_do_not_mix() -> None:
 
 def test_snapshot_time_is_recorded(tmp_path) -> None:
     metrics = ServerMetrics()
-    agg = Aggregator(AggregatorConfig(state_dir=str(tmp_path)), events=metrics)
+    agg = Aggregator(aggregator_config(state_dir=str(tmp_path)), events=metrics)
     session = agg.join("a", [ParamSpec("w", (4,), "float32")]).session_id
     agg.initialize(session, 0, [torch.zeros(4)])
     count = "diloco_server_snapshot_write_seconds_count"
@@ -122,7 +123,7 @@ def test_learner_metrics_read_its_state() -> None:
 
 def test_dashboard_uses_only_metrics_the_code_exports() -> None:
     server = ServerMetrics()
-    agg = Aggregator(AggregatorConfig())
+    agg = Aggregator(aggregator_config())
     agg.join("a", FINGERPRINT)
     servicer = AggregatorServicer(agg)
     servicer.traffic.count(0, sent=1, received=1)

@@ -7,7 +7,8 @@ import torch
 from learner.config import LearnerConfig
 from learner.session import SyncSession
 from learner.trainer import Progress, Slowdown
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
 from server.policy import estimated_schedule_step, median_step_time_s
 from tests.support.fakes import FakeClock
 
@@ -29,7 +30,7 @@ def test_schedule_estimate_moves_reports_on_by_the_time_since() -> None:
 
 def test_a_joining_learner_is_told_where_the_others_are() -> None:
     clock = FakeClock()
-    agg = Aggregator(AggregatorConfig(mode="quorum", pull_codec="fp32"), clock=clock)
+    agg = Aggregator(aggregator_config(mode="quorum", pull_codec="fp32"), clock=clock)
     a = agg.join("a", SPECS).session_id
     assert agg.join("b", SPECS).schedule_step == 0  # a has not reported yet
     agg.initialize(a, 0, [torch.zeros(4)])
@@ -79,7 +80,7 @@ def test_pace(dynamic, mine, median, blocking, pace) -> None:
 
 def test_the_server_reports_where_the_schedule_is() -> None:
     clock = FakeClock()
-    agg = Aggregator(AggregatorConfig(mode="quorum", pull_codec="fp32"), clock=clock)
+    agg = Aggregator(aggregator_config(mode="quorum", pull_codec="fp32"), clock=clock)
     a, b = agg.join("a", SPECS).session_id, agg.join("b", SPECS).session_id
     assert agg.schedule_estimate() == 0  # nobody reported
     clock.now = 1.0

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s, staleness_discount
 from tests.support.fakes import FakeClock
@@ -14,7 +15,7 @@ SPECS = [ParamSpec("w", (4,), "float32")]
 
 def make(n: int, **config):
     clock = FakeClock()
-    agg = Aggregator(AggregatorConfig(pull_codec="fp32", **config), clock=clock)
+    agg = Aggregator(aggregator_config(pull_codec="fp32", **config), clock=clock)
     sessions = [agg.join(f"l{i}", SPECS).session_id for i in range(n)]
     agg.initialize(sessions[0], 0, [torch.zeros(4)])
     return agg, sessions, clock

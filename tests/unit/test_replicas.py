@@ -4,7 +4,8 @@ import torch
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import apply_updates, decode_fragment, params_crc32
-from server.aggregator import Aggregator, AggregatorConfig, ParamSpec
+from server.aggregator import Aggregator, ParamSpec
+from server.config import aggregator_config
 
 SPECS = [
     ParamSpec("emb.weight", (64, 32), "float32"),
@@ -21,7 +22,7 @@ def random_fragment(shapes, seed: int, scale: float = 1.0) -> list[torch.Tensor]
 
 
 def test_replicas_bit_identical_after_many_rounds_with_several_learners() -> None:
-    agg = Aggregator(AggregatorConfig(fragments=2, pull_codec="fp4_e2m1", update_log_versions=8))
+    agg = Aggregator(aggregator_config(fragments=2, pull_codec="fp4_e2m1", update_log_versions=8))
     sessions = [agg.join(f"l{i}", SPECS).session_id for i in range(3)]
     shapes = {f: [SPECS[i].shape for i in idx] for f, idx, _ in agg.join("l0", SPECS).fragments}
     sessions[0] = agg.join("l0", SPECS).session_id
@@ -55,7 +56,7 @@ def test_replicas_bit_identical_after_many_rounds_with_several_learners() -> Non
 
 
 def test_far_behind_learner_gets_a_snapshot_and_updates_are_4_bit() -> None:
-    agg = Aggregator(AggregatorConfig(pull_codec="fp4_e2m1", update_log_versions=4))
+    agg = Aggregator(aggregator_config(pull_codec="fp4_e2m1", update_log_versions=4))
     s = agg.join("l0", SPECS).session_id
     shapes = [spec.shape for spec in SPECS]
     agg.initialize(s, 0, random_fragment(shapes, 0))
@@ -74,7 +75,7 @@ def test_error_feedback_keeps_the_server_near_the_exact_trajectory() -> None:
     shapes = [spec.shape for spec in SPECS]
     runs = {}
     for codec in ("fp32", "fp4_e2m1"):
-        agg = Aggregator(AggregatorConfig(pull_codec=codec))
+        agg = Aggregator(aggregator_config(pull_codec=codec))
         s = agg.join("l0", SPECS).session_id
         agg.initialize(s, 0, random_fragment(shapes, 0))
         for rnd in range(40):

@@ -126,7 +126,7 @@ def mutated_push(draw, world: World) -> Call:
     elif defect == "future_base":
         header.base_version = draw(st.integers(version + 1, 2**63 - 1))
     elif defect == "stale_base":
-        max_staleness = world.aggregator.config.max_staleness
+        max_staleness = world.aggregator.config.rounds.max_staleness
         header.base_version = draw(st.integers(-(2**63), version - max_staleness - 1))
         expect = Code.FAILED_PRECONDITION
     elif defect == "initial_again":
@@ -138,7 +138,7 @@ def mutated_push(draw, world: World) -> Call:
         header.inner_steps = draw(st.integers(-(2**63), -1))
     elif defect == "zero_tokens_or_steps":
         setattr(header, draw(st.sampled_from(["tokens", "inner_steps"])), 0)
-        expect = ACCEPTED if world.aggregator.config.weighting == "equal" else expect
+        expect = ACCEPTED if world.aggregator.config.rounds.weighting == "equal" else expect
     elif defect == "wrong_shape":
         del t.shape[:]
         t.shape.extend(_shapes_other_than(draw, shapes[i]))

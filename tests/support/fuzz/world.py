@@ -13,7 +13,7 @@ round is open (a scenario with warm=False skips those rounds: the state right af
 initialization). The clock is a FakeClock: it stands still during a call and moves only when
 the fuzzer says so between calls (`World.advance`, which then runs the reaper's tick).
 
-The digest reads the Aggregator's private fields on purpose: the property under test is that
+The digest reads the Aggregator's private parts on purpose: the property under test is that
 a rejected message changes *nothing*, and the public API would hide exactly the state a bug
 would touch (round sums, momentum, error-feedback residual, norm history).
 """
@@ -38,7 +38,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import encode_fragment
 from server import servicer as servicer_module
 from server.aggregator import Aggregator
-from server.config import AggregatorConfig
+from server.config import aggregator_config
 from server.servicer import AggregatorServicer
 
 # Parameter names use `h.i.` so the strided layout can split them into two fragments; sizes are
@@ -171,7 +171,7 @@ def push_messages(
 def build_world(scenario: Scenario) -> World:
     """Two learners joined, every fragment initialized and WARMUP_ROUNDS rounds applied
     (fewer steps as the scenario says)."""
-    config = AggregatorConfig(
+    config = aggregator_config(
         mode=scenario.mode,
         fragments=scenario.fragments,
         pull_codec=scenario.pull_codec,
@@ -296,7 +296,7 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
     (renewed by any authenticated call) and the pull snapshot cache (derived data)."""
     with aggregator._cond:
         fragments = {}
-        for f in aggregator._fragments:
+        for f in aggregator._params.fragments:
             rnd = f.round
             fragments[f.fragment_id] = {
                 "version": f.version,
@@ -320,16 +320,19 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
             }
         sessions = {
             s.session_id: _bits((s.learner_id, s.step, s.tokens, s.loss, s.step_time_s))
-            for s in aggregator._sessions.values()
+            for s in aggregator._members.live()
         }
         return {
             "fragments": fragments,
             "sessions": _bits(sessions),
-            "fingerprint": _bits([(p.name, p.shape, p.dtype) for p in aggregator._fingerprint]),
-            "last_weight": _bits(aggregator._last_weight),
+            "fingerprint": _bits(
+                [(p.name, p.shape, p.dtype) for p in aggregator._params.fingerprint or []]
+            ),
+            # Quorum's weights of each learner's last push (the other modes keep none).
+            "last_weight": _bits(getattr(aggregator._rounds, "last_weight", {})),
             # An empty guard is what the defaultdict hands out anyway: not a change.
             "norms": _bits(
-                {k: list(g._recent) for k, g in aggregator._norm_guards.items() if g._recent}
+                {k: list(g._recent) for k, g in aggregator._intake.norm_guards.items() if g._recent}
             ),
             "epoch": aggregator.server_epoch,
         }
@@ -339,13 +342,13 @@ def state_is_finite(aggregator: Aggregator) -> bool:
     """Parameters, momentum, residual and round sums hold no NaN or infinity."""
     with aggregator._cond:
         tensors: list[torch.Tensor] = []
-        for f in aggregator._fragments:
+        for f in aggregator._params.fragments:
             tensors += list(f.params or []) + list(f._residual or [])
             tensors += list(f.round.delta_sum or [])
             for value in vars(f.outer).values():
                 if isinstance(value, list):
                     tensors += [v for v in value if isinstance(v, torch.Tensor)]
-        weights = [f.round.weight_sum for f in aggregator._fragments]
+        weights = [f.round.weight_sum for f in aggregator._params.fragments]
     return all(bool(torch.isfinite(t).all()) for t in tensors) and all(
         w == w and abs(w) != float("inf") for w in weights
     )

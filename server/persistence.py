@@ -1,7 +1,14 @@
 """The server's state directory: atomic snapshots plus an append-only log of outer steps.
 
+    persistence = Persistence(config.persistence, identity)   # inert without a state_dir
+    restored = persistence.restore()       # at start: the snapshot and the log's steps, or None
+    persistence.record(fragment_id, version, mean, every)     # each closed round, fsynced
+    if persistence.round_closed(): persistence.snapshot(fingerprint, fragments)
+
     state_dir/snapshot.pt   torch.save of the whole aggregator state, replaced atomically
-                            (write a temp file, fsync, rename, fsync the directory)
+                            (write a temp file, fsync, rename, fsync the directory):
+                            {"fingerprint": [(name, shape, dtype)], "layout": {fragments,
+                            layout, mode, pull_codec}, "fragments": [FragmentState.state_dict()]}
     state_dir/updates.log   one record per closed round since that snapshot:
                             magic "DLR2" | payload length (u64) | crc32 (u32) | payload
                             payload = meta length (u32) | meta (JSON: fragment, version,
@@ -18,7 +25,7 @@ there and says so. Replay checks that versions follow on, so nothing is applied 
 
 Memory: a record is written from the mean tensors' own buffers (no serialized copy) and
 replay reads one record at a time, so neither costs more than one model-sized tensor list
-(a log of 100 records once took 200 model sizes to replay: the file and the decoded means).
+(reading the whole log first would cost two model sizes per record: the file and the means).
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -39,6 +47,11 @@ import torch
 
 from common.atomic import atomic_write
 from common.checksum import crc32
+from common.errors import NotFound
+from server.config import PersistenceConfig, StreamingConfig
+from server.events import AggregatorEvents
+from server.fragment import FragmentState
+from server.global_params import ParamSpec
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +67,124 @@ class LogRecord:
     version: int  # the version this step produced
     mean: list[torch.Tensor]
     outer_every: int = 0  # async: Delayed Nesterov's N at this step (it follows membership)
+
+
+@dataclass
+class Restored:
+    """What a state dir holds: the snapshot's state, then the log's steps after it."""
+
+    fingerprint: list[ParamSpec]
+    fragments: list[dict]  # FragmentState.state_dict() of each fragment, in fragment order
+    updates: Iterator[LogRecord]  # each the next version of its fragment; read it to the end
+
+
+def state_identity(streaming: StreamingConfig, mode: str) -> dict:
+    """The settings a state dir is bound to: a dir written with others is refused, since its
+    fragments, codec state and outer optimizer would not fit."""
+    return {
+        "fragments": streaming.fragments,
+        "layout": streaming.layout,
+        "mode": mode,
+        "pull_codec": streaming.pull_codec,
+    }
+
+
+class Persistence:
+    """The Aggregator's state dir (inert without one): restore at start, then every closed
+    round logged and a snapshot now and then. Called with the Aggregator's lock held."""
+
+    def __init__(
+        self,
+        config: PersistenceConfig,
+        identity: dict,
+        events: AggregatorEvents | None = None,
+    ) -> None:
+        """`identity`: what state_identity() returns for the server's settings."""
+        self.state_dir = config.state_dir
+        self._every = config.snapshot_every_versions
+        self._identity = identity
+        self._events = events or AggregatorEvents()
+        self._store = StateStore(config.state_dir) if config.state_dir else None
+        self._rounds_since_snapshot = 0
+
+    def restore(self) -> Restored | None:
+        """The state the dir holds, None for an empty dir (or none). Raises ValueError for a
+        dir written with other settings, RuntimeError for a log without its snapshot."""
+        store = self._store
+        if store is None:
+            return None
+        snapshot = store.load_snapshot()
+        if snapshot is None:
+            if next(store.replay(), None) is not None:
+                raise RuntimeError(f"{store.log_path} has records but there is no snapshot")
+            return None
+        written = snapshot["layout"]
+        if written != self._identity:
+            raise ValueError(
+                f"state dir {self.state_dir} was written with {written}; "
+                f"start the server with the same settings or a new state dir"
+            )
+        fingerprint = [ParamSpec(n, tuple(shape), d) for n, shape, d in snapshot["fingerprint"]]
+        fragments = snapshot["fragments"]
+        versions = [state["version"] for state in fragments]
+        return Restored(fingerprint, fragments, self._updates(store, versions))
+
+    def record(self, fragment_id: int, version: int, mean: list[torch.Tensor], every: int) -> None:
+        """Log the outer step that made `version` of a fragment; on disk when this returns."""
+        if self._store is not None:
+            self._store.append(LogRecord(fragment_id, version, mean, every))
+
+    def round_closed(self) -> bool:
+        """Count a closed round; True when a snapshot is due."""
+        if self._store is None:
+            return False
+        self._rounds_since_snapshot += 1
+        return self._rounds_since_snapshot >= self._every
+
+    def snapshot(
+        self, fingerprint: Sequence[ParamSpec], fragments: Sequence[FragmentState]
+    ) -> None:
+        """Write the whole state; the log starts over."""
+        if self._store is None:
+            return
+        started = time.perf_counter()
+        self._store.write_snapshot(
+            {
+                "fingerprint": [(p.name, p.shape, p.dtype) for p in fingerprint],
+                "layout": dict(self._identity),
+                "fragments": [f.state_dict() for f in fragments],
+            }
+        )
+        self._rounds_since_snapshot = 0
+        self._events.snapshot_written(time.perf_counter() - started)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+
+    def _updates(self, store: StateStore, versions: list[int]) -> Iterator[LogRecord]:
+        """The log's records that follow the snapshot's `versions`, one in memory at a time."""
+        replayed = 0
+        for record in store.replay():
+            replayed += 1
+            fid = record.fragment_id
+            if not 0 <= fid < len(versions):
+                raise NotFound(f"fragment {fid} does not exist")
+            if record.version <= versions[fid]:
+                continue  # a crash between snapshot and log reset: already in the snapshot
+            if record.version != versions[fid] + 1:
+                raise RuntimeError(
+                    f"{store.log_path}: record for fragment {fid} version "
+                    f"{record.version} does not follow version {versions[fid]}"
+                )
+            yield record
+            versions[fid] += 1
+        log.info(
+            "restored from %s: versions %s (replayed %d records)",
+            self.state_dir,
+            versions,
+            replayed,
+        )
 
 
 class StateStore:
