@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deploy.launcher import Daemon
 from deploy.prometheus_api import Samples, scrape
@@ -56,19 +56,29 @@ SERVER_COUNTERS = {
 }
 
 
-@dataclass
 class Watch:
-    daemons: Callable[[], dict[str, Daemon]]  # the processes by name, as they are now
-    clock: Callable[[], float]
-    interval_s: float = SCRAPE_INTERVAL_S
-    server: list[ServerPoint] = field(default_factory=list)
-    learners: dict[str, list[LearnerPoint]] = field(default_factory=dict)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    """Scrapes a cluster's daemons while a run goes on; `server` and `learners` hold what
+    they reported (read them after stop())."""
+
+    def __init__(
+        self,
+        daemons: Callable[[], dict[str, Daemon]],
+        clock: Callable[[], float],
+        interval_s: float = SCRAPE_INTERVAL_S,
+    ) -> None:
+        """`daemons`: the processes by name ("server", "learner-I") as they are now (a
+        restart replaces one); `clock`: the run's clock, which stamps every point."""
+        self.daemons, self.clock, self.interval_s = daemons, clock, interval_s
+        self.server: list[ServerPoint] = []
+        self.learners: dict[str, list[LearnerPoint]] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
+        """One scraping thread per daemon running now."""
         for name in self.daemons():
+            if name != "server":
+                self.learners[name] = []
             thread = threading.Thread(target=self._follow, args=(name,), daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -85,24 +95,24 @@ class Watch:
         self.sample(name)  # the last look, at stop()
 
     def sample(self, name: str) -> None:
-        """Scrape daemon `name` once and keep a point if anything changed."""
+        """Scrape daemon `name` once and keep a point if anything changed (one thread per
+        name, so no two threads append to the same list)."""
         daemon = self.daemons().get(name)
         port = daemon.metrics_port() if daemon is not None else None
         samples = scrape(port, timeout_s=1.0) if port else None
-        if samples is None:
+        if daemon is None or samples is None:
             return
         t = self.clock()
-        if name == "server":
-            point = _server_point(t, daemon.pid, samples)
-            series = self.server
-        elif samples.has("diloco_learner_info", learner_id=name):  # not a reused port
-            point = _learner_point(t, daemon.pid, samples)
-            series = self.learners.setdefault(name, [])
+        point: LearnerPoint | ServerPoint
+        # The expected daemon, not another that has since been given its old port.
+        if name == "server" and samples.has("diloco_server_live_learners"):
+            point, series = _server_point(t, daemon.pid, samples), self.server
+        elif samples.has("diloco_learner_info", learner_id=name):
+            point, series = _learner_point(t, daemon.pid, samples), self.learners[name]
         else:
             return
-        with self._lock:
-            if not series or _figures(series[-1]) != _figures(point):
-                series.append(point)
+        if not series or _figures(series[-1]) != _figures(point):
+            series.append(point)
 
 
 def _versions(samples: Samples, name: str) -> tuple[int, ...]:
