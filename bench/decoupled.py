@@ -3,7 +3,7 @@
     python bench/decoupled.py            # 2 x 240 s
     python bench/decoupled.py --quick    # 2 x 100 s (under 5 minutes with start-up)
 
-K = 4 learners as real processes against a real server (deploy/chaos.py's Cluster, P = 2):
+K = 4 learners as real processes against a real server (deploy/cluster.py, P = 2):
 learner-3 runs 2x slower, learner-2 is killed (kill -9) every --kill-every-s and restarted
 at once. Every learner pads its steps with idle time (--slowdown 3, the slow one 6), so the
 four together need about one core: each then runs at its own speed as if on its own machine.
@@ -13,23 +13,23 @@ and makes waiting look cheaper than it is on separate machines. The same setup r
 the slow learner syncs after half as many of its own steps, unless
 --no-dynamic-local-updates). Reported for each mode:
 
-- the eval loss of the global parameters against wall-clock time, as logged by learner-0
+- the eval loss of the global parameters against wall-clock time, as learner-0 reports it
   (full speed, never killed; mean of its last 3 evaluations, since one eval set is small);
 - time to a target loss: the higher of the two modes' final losses, so both reach it;
   speedup_quorum_vs_sync = time(sync) / time(quorum);
 - goodput = useful tokens / capacity tokens. Useful: tokens carried by closed rounds (the
-  server's log). Capacity: for each learner, its own compute speed (tokens per compute
-  second, its slowdown included) times the run's length less its evaluation time, i.e. what
-  it would have trained had it never waited, died or restarted.
+  server's merged-tokens counter). Capacity: for each learner, its own compute speed (tokens
+  per compute second, its slowdown included) times the run's length less its evaluation
+  time, i.e. what it would have trained had it never waited, died or restarted.
 
-Writes bench/results/decoupled.json and decoupled.png.
+Every figure comes from the daemons' Prometheus endpoints (deploy/watch.py) and the
+learners' summary files. Writes bench/results/decoupled.json and decoupled.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -37,38 +37,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deploy.chaos import Cluster, _stamp, round_times_and_tokens  # noqa: E402
+from deploy.cluster import Cluster  # noqa: E402
+from deploy.watch import LearnerPoint, ServerPoint, Watch, counter_total, eval_points  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LEARNERS = 4
 FRAGMENTS = 2
 SLOW, KILLED, WATCHED = 3, 2, 0
 PACE = 3  # every step takes 3x its compute time (the slow learner's 6x): see the docstring
-_EVAL = re.compile(r"eval_loss=([\d.]+)")
-_PUSHED = re.compile(r"pushed fragment=(\d+) base=(\d+)")
-_CLOSED = re.compile(r"fragment=(\d+) version=(\d+) contributors=(\d+)")
 
 
-def round_stats(server_log: Path) -> dict:
+def round_stats(server: list[ServerPoint]) -> dict:
     """How full the rounds were and how stale the pushes: the cost of drifting out of phase.
 
     Staleness of a push = versions its fragment had moved past the push's base when it
     arrived (the server discounts such a contribution by 1/(1 + staleness))."""
-    version: dict[int, int] = {}
-    contributors, staleness = [], []
-    for line in server_log.read_text().splitlines():
-        if match := _CLOSED.search(line):
-            version[int(match.group(1))] = int(match.group(2))
-            contributors.append(int(match.group(3)))
-        elif match := _PUSHED.search(line):
-            fragment, base = int(match.group(1)), int(match.group(2))
-            staleness.append(version.get(fragment, 0) - base)
+    rounds, pushes = counter_total(server, "rounds"), counter_total(server, "pushes")
     return {
-        "rounds": len(contributors),
-        "mean_contributors": sum(contributors) / max(1, len(contributors)),
-        "pushes": len(staleness),
-        "mean_staleness": sum(staleness) / max(1, len(staleness)),
-        "mean_discount": sum(1 / (1 + s) for s in staleness) / max(1, len(staleness)),
+        "rounds": int(rounds),
+        "mean_contributors": counter_total(server, "contributions") / max(1, rounds),
+        "pushes": int(pushes),
+        "mean_staleness": counter_total(server, "staleness") / max(1, pushes),
+        "mean_discount": counter_total(server, "discount") / max(1, pushes),
     }
 
 
@@ -80,50 +70,50 @@ def run_mode(
         for flags in pace.values():
             flags.append("--dynamic-local-updates")
     cluster = Cluster(workdir, LEARNERS, FRAGMENTS, mode=mode, learner_flags=pace)
-    started = time.time()
     cluster.start()
+    watch = Watch(cluster.daemons, cluster.now)
+    watch.start()
     kills = 0
     try:
         next_kill = kill_every_s
         while cluster.now() < duration_s:
             if cluster.now() >= next_kill:
                 cluster.learners[KILLED].kill()
-                cluster.learners[KILLED].wait()
                 cluster.start_learner(KILLED)
                 kills += 1
                 next_kill += kill_every_s
             time.sleep(0.2)
     finally:
+        cluster.stop_learners()
+        watch.stop()  # after the learners' last merges, before the server goes
         cluster.stop()
-    ended = time.time()
-    _, round_tokens = round_times_and_tokens(workdir)
+    wall_s = cluster.now()  # from before the start to after the stop
+    round_tokens = counter_total(watch.server, "merged_tokens")
     capacity = 0.0
     for i in range(LEARNERS):
         summary = json.loads((workdir / f"learner-{i}.json").read_text())
         speed = summary["tokens"] / max(summary["compute_s"], 1e-9)
         eval_share = summary["eval_s"] / max(summary["train_wall_s"], 1e-9)
-        capacity += speed * (ended - started) * (1 - eval_share)
+        capacity += speed * wall_s * (1 - eval_share)
     return {
         "mode": mode,
         "kills": kills,
-        "wall_s": ended - started,
-        "curve": eval_curve(workdir / f"learner-{WATCHED}.log", started),
-        "useful_tokens": round_tokens // FRAGMENTS,
+        "wall_s": wall_s,
+        "curve": eval_curve(watch.learners.get(f"learner-{WATCHED}", [])),
+        "useful_tokens": int(round_tokens) // FRAGMENTS,
         "capacity_tokens": int(capacity),
         "goodput": round_tokens / FRAGMENTS / capacity,
-        "round_stats": round_stats(workdir / "server.log"),
+        "round_stats": round_stats(watch.server),
     }
 
 
-def eval_curve(log_path: Path, started: float) -> list[tuple[float, float]]:
+def eval_curve(points: list[LearnerPoint]) -> list[tuple[float, float]]:
     """(seconds since start, mean of the last 3 eval losses) at each evaluation."""
-    points, recent = [], []
-    for line in log_path.read_text().splitlines():
-        match = _EVAL.search(line)
-        if match and "outer_step=" in line:
-            recent = [*recent[-2:], float(match.group(1))]
-            points.append((_stamp(line) - started, sum(recent) / len(recent)))
-    return points
+    curve, recent = [], []
+    for t, loss in eval_points(points):
+        recent = [*recent[-2:], loss]
+        curve.append((t, sum(recent) / len(recent)))
+    return curve
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float:

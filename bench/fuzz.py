@@ -3,8 +3,8 @@
     python -m bench.fuzz --cases 10000                     # servicer (direct), decoders, threads
     python -m bench.fuzz --cases 2000 --transport grpc     # through a loopback gRPC server
 
-Each servicer case is a fresh aggregator and 1-4 hostile calls (bench/fuzz_cases.py); each
-decoder case one hostile input to decode_fragment, decode or apply_updates; each concurrent
+Each servicer case is a fresh aggregator and 1-4 hostile calls (tests/support/fuzz/cases.py);
+each decoder case one hostile input to decode_fragment, decode or apply_updates; each concurrent
 case 4 threads of hostile calls and the good learner's push at once. Cases are drawn by
 hypothesis (generation only: no shrinking, nothing stored), in batches with seeds seed,
 seed+1, ... until --cases have run. Writes bench/results/fuzz.json; exits 1 on any violation.
@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from bench.fuzz_cases import CaseReport, Tally, run_concurrent_case, run_servicer_case
-from bench.fuzz_decoders import run_decoder_case
-from bench.fuzz_grpc import GrpcCaller
-from bench.fuzz_world import pull_wait_capped
+from tests.support.fuzz.cases import CaseReport, Tally, run_concurrent_case, run_servicer_case
+from tests.support.fuzz.decoders import run_decoder_case
+from tests.support.fuzz.grpc_caller import GrpcCaller
+from tests.support.fuzz.world import pull_wait_capped
 
 RESULTS = Path(__file__).parent / "results" / "fuzz.json"
 

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,6 +44,7 @@ from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc  # noqa: E
 from common.metrics_http import write_port_file  # noqa: E402
 from common.rpc import LEARNER_ID_HEADER, create_channel, create_server  # noqa: E402
 from common.wire import CHUNK_BYTES, chunks, encode_fragment  # noqa: E402
+from deploy.launcher import start_daemon  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SINK_METHOD = "/bench.Sink/Push"
@@ -68,30 +68,6 @@ def serve_sink(port_file: str) -> None:
     server.start()
     write_port_file(port_file, port)
     server.wait_for_termination()
-
-
-def _start(argv: list[str], workdir: Path) -> tuple[subprocess.Popen, int]:
-    port_file = workdir / f"port-{len(list(workdir.iterdir()))}"
-    log = open(workdir / f"{port_file.name}.log", "w")
-    proc = subprocess.Popen(
-        [*argv, "--port-file", str(port_file)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
-    )
-    for _ in range(1200):  # bounded: the server writes its port once it serves
-        if port_file.exists() and port_file.read_text() or proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    if proc.poll() is not None or not port_file.exists():
-        raise RuntimeError(f"server did not start; see {log.name}")
-    return proc, int(port_file.read_text())
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
 
 
 def _run_streams(send: Callable[[int], None], pushes: int, streams: int) -> float:
@@ -125,11 +101,13 @@ class _Server:
     """A server process on loopback, a channel to it, and its CPU time."""
 
     def __init__(self, argv: list[str], workdir: Path) -> None:
-        self.proc, port = _start(argv, workdir)
-        self.channel = create_channel(f"127.0.0.1:{port}")
+        name = f"server-{len(list(workdir.glob('*.log')))}"
+        port_file = workdir / f"{name}.port"
+        self.daemon = start_daemon(name, argv, workdir / f"{name}.log", port_file=port_file)
+        self.channel = create_channel(f"127.0.0.1:{self.daemon.port}")
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{self.daemon.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
     def timed(
@@ -142,7 +120,7 @@ class _Server:
 
     def close(self) -> None:
         self.channel.close()
-        _stop(self.proc)
+        self.daemon.stop()
 
 
 class _Sink(_Server):
@@ -207,7 +185,7 @@ class _Ingest(_Server):
             raise RuntimeError(f"push refused: {reply}")
 
     def peak_rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{self.daemon.pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
         return float("nan")

@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+from deploy.launcher import SERVER, Daemon, start_daemon
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
@@ -163,23 +165,16 @@ def gil_stalls(server: str, fragment_mib: int, pushes: int) -> dict:
     }
 
 
-def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
+def start_server(workdir: Path) -> tuple[Daemon, str]:
     workdir.mkdir(parents=True)
-    port_file = workdir / "port"
-    log = open(workdir / "server.log", "w")  # noqa: SIM115 (closed with the process)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "server.main", "--insecure", "--listen", "127.0.0.1:0",
-         "--port-file", str(port_file), "--mode", "sync", "--state-dir", str(workdir / "state"),
-         "--log-level", "WARNING"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+    server = start_daemon(
+        "server",
+        [*SERVER, "--insecure", "--listen", "127.0.0.1:0", "--mode", "sync",
+         "--state-dir", workdir / "state", "--log-level", "WARNING"],
+        workdir / "server.log",
+        port_file=workdir / "port",
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not port_file.exists() or not port_file.read_text().strip():
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            raise RuntimeError(f"server did not start; see {workdir / 'server.log'}")
-        time.sleep(0.1)
-    return server, f"127.0.0.1:{int(port_file.read_text())}"
+    return server, f"127.0.0.1:{server.port}"
 
 
 def run_child(mode: str, server: str, steps: int, steps_per_outer: int) -> dict:
@@ -205,14 +200,12 @@ def measure(quick: bool = False) -> dict:
                 for mode in ("plain", "diloco"):
                     runs[mode].append(run_child(mode, address, steps, steps_per_outer))
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            server.stop()
         server, address = start_server(Path(tmp, "b"))  # a run of a one-tensor model
         try:
             stalls = gil_stalls(address, fragment_mib=16 if quick else 64, pushes=3)
         finally:
-            server.terminate()
-            server.wait(timeout=30)
+            server.stop()
     plain = statistics.median(r["per_step_s"] for r in runs["plain"])
     diloco = statistics.median(r["per_step_s"] for r in runs["diloco"])
     pairs = [

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,8 +45,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
+from common.retry import Stopped, call_with_retry  # noqa: E402
 from common.rpc import LEARNER_ID_HEADER  # noqa: E402
 from common.wire import encode_fragment  # noqa: E402
+from deploy.launcher import SERVER, start_daemon  # noqa: E402
 from learner.client import AggregatorClient  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -85,6 +86,7 @@ class Learner(threading.Thread):
         self.latencies: list[float] = []
         self.errors: Counter[str] = Counter()
         self.joined = threading.Event()  # learner 0: set once the model is initialised
+        self.version, self.wait_for = -1, 0
 
     def run(self) -> None:
         # Each simulated learner names itself, as real ones do: rate limits are per learner.
@@ -98,28 +100,36 @@ class Learner(threading.Thread):
                 init.kind = pb.PUSH_KIND_INITIAL
                 client.push(init, encode_fragment([torch.zeros(s) for s in self.shapes], "fp32"))
             self.joined.set()
-            version, wait_for = -1, 0
-            while not self.stop.is_set():
-                try:
-                    # Like a learner at its merge point: wait (long-poll) for the round it
-                    # pushed to to close, then push against the new version.
-                    header, _ = client.pull(session, 0, version, wait_for, wait_timeout_s=5.0)
-                    if header.version < wait_for:
-                        continue  # the round is still open: wait again
-                    version = max(version, header.version)
-                    wait_for = version + 1
-                    push = pb.PushHeader(
-                        session_id=session, fragment_id=0, base_version=version,
-                        inner_steps=50, tokens=50 * 2048, kind=pb.PUSH_KIND_DELTA,
-                    )  # fmt: skip
-                    started = time.perf_counter()
-                    client.push(push, self.payload)
-                    self.latencies.append(time.perf_counter() - started)
-                except grpc.RpcError as err:
-                    self.errors[err.code().name] += 1
-                    time.sleep(0.05)
+            # An outage is retried as a learner retries it (common/retry.py), and counted;
+            # any other refusal is counted and ends this learner, as it would a real one.
+            call_with_retry(lambda: self._exchange(client, session), self.stop, self._count)
+        except Stopped:
+            pass
+        except grpc.RpcError as err:
+            self._count(err)
         finally:
             client.close()
+
+    def _exchange(self, client: AggregatorClient, session: str) -> None:
+        """Push -> pull until stopped; the version pushed against survives a retry."""
+        while not self.stop.is_set():
+            # Like a learner at its merge point: wait (long-poll) for the round it pushed to
+            # to close, then push against the new version.
+            header, _ = client.pull(session, 0, self.version, self.wait_for, wait_timeout_s=5.0)
+            if header.version < self.wait_for:
+                continue  # the round is still open: wait again
+            self.version = max(self.version, header.version)
+            self.wait_for = self.version + 1
+            push = pb.PushHeader(
+                session_id=session, fragment_id=0, base_version=self.version,
+                inner_steps=50, tokens=50 * 2048, kind=pb.PUSH_KIND_DELTA,
+            )  # fmt: skip
+            started = time.perf_counter()
+            client.push(push, self.payload)
+            self.latencies.append(time.perf_counter() - started)
+
+    def _count(self, err: grpc.RpcError, delay_s: float = 0.0) -> None:
+        self.errors[err.code().name] += 1
 
 
 # Learners of the two runs --slopes adds: K, so every round can close without a grace window.
@@ -130,24 +140,17 @@ def run(learners: int, model_mib: int, duration_s: float, server_env: list[str])
     """One server under `learners` simulated learners for `duration_s`; see the docstring."""
     shapes = model_shapes(model_mib)
     workdir = Path(tempfile.mkdtemp(prefix="diloco-load-"))
-    port_file = workdir / "port"
-    server_log = open(workdir / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "server.main", "--insecure", "--listen", "127.0.0.1:0",
-         "--port-file", str(port_file), "--mode", "quorum", "--min-contributors", "8",
-         "--grace-max-s", "0.5", "--max-staleness", "1000000", "--lease-s", "30",
-         "--log-level", "WARNING"],
-        cwd=Path(__file__).resolve().parent.parent, stdout=server_log, stderr=subprocess.STDOUT,
+    server = start_daemon(
+        "server",
+        [*SERVER, "--insecure", "--listen", "127.0.0.1:0", "--mode", "quorum",
+         "--min-contributors", "8", "--grace-max-s", "0.5", "--max-staleness", "1000000",
+         "--lease-s", "30", "--log-level", "WARNING"],
+        workdir / "server.log",
+        port_file=workdir / "port",
         env={**os.environ, **dict(kv.split("=", 1) for kv in server_env)},
     )  # fmt: skip
+    port = server.port
     try:
-        for _ in range(2400):  # bounded (2 min, a loaded machine): the port once it serves
-            if port_file.exists() or server.poll() is not None:
-                break
-            time.sleep(0.05)
-        if not port_file.exists():
-            raise RuntimeError(f"the server did not start serving; see {workdir}/server.log")
-        port = int(port_file.read_text())
         # The fixed overhead (interpreter, torch, gRPC): RSS once serving, before any push.
         startup_mb = rss_mb(server.pid)
         torch.manual_seed(0)
@@ -169,8 +172,7 @@ def run(learners: int, model_mib: int, duration_s: float, server_env: list[str])
             learner.join(timeout=60)
         elapsed = time.perf_counter() - started
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop()
     latencies = sorted(t for learner in fleet for t in learner.latencies)
     errors: Counter[str] = Counter()
     for learner in fleet:

@@ -155,7 +155,7 @@ def lr_factor(setup: Setup, step: int) -> float:
     return setup.min_lr_ratio + (1 - setup.min_lr_ratio) * cosine
 
 
-def _data_seed(setup: Setup) -> int:
+def data_seed(setup: Setup) -> int:
     """The first sampler's seed; learner i uses this + i. `seed` moves data order and init."""
     return 1000 + 100 * setup.seed
 
@@ -180,7 +180,7 @@ def _run_data_parallel(setup, variant, model, train, eval_batches, steps=None) -
     `steps` < setup.steps runs only the start of the schedule (a warm start)."""
     steps = setup.steps if steps is None else steps
     k = setup.learners
-    sampler = BatchSampler(train, setup.batch_size * k, setup.block_size, seed=_data_seed(setup))
+    sampler = BatchSampler(train, setup.batch_size * k, setup.block_size, seed=data_seed(setup))
     optimizer = _optimizer(setup, model)
     tokens_per_step = setup.batch_size * k * setup.block_size
     curve = [(0, evaluate(model, eval_batches))]
@@ -248,9 +248,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             tokens_per_step=setup.batch_size * setup.block_size,
         )
         sync.load_globals()
-        sampler = BatchSampler(
-            train, setup.batch_size, setup.block_size, seed=_data_seed(setup) + i
-        )
+        sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=data_seed(setup) + i)
         learners.append((replica_model, _optimizer(setup, replica_model), sampler, sync))
     eval_model = GPT(setup.model_config()).to(setup.device)
     eval_params = [p for _, p in eval_model.named_parameters()]

@@ -24,11 +24,12 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from common.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -233,18 +234,12 @@ def _build() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-    os.close(fd)
-    try:
+    with atomic_path(target) as tmp:  # a concurrent loader sees no half-written library
         subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"],
+            [compiler, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,
         )
-        os.replace(tmp, target)  # atomic: a concurrent loader sees no half-written library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     log.info("FP4 codec: built C kernel %s", target)
     return target

@@ -8,9 +8,9 @@ port, can be written to a file for launchers and tests.
 
 from __future__ import annotations
 
-import os
-
 from prometheus_client import CollectorRegistry, start_http_server
+
+from common.atomic import atomic_write
 
 
 def serve_metrics(listen: str, registry: CollectorRegistry, port_file: str = "") -> int:
@@ -25,10 +25,7 @@ def serve_metrics(listen: str, registry: CollectorRegistry, port_file: str = "")
 
 def write_port_file(path: str, port: int) -> None:
     """Write a bound port for launchers and tests; atomic, so readers never see half a file."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(f"{port}\n")
-    os.replace(tmp, path)
+    atomic_write(path, f"{port}\n")
 
 
 def check_listen(name: str, listen: str) -> None:

@@ -1,4 +1,5 @@
-"""One retry helper for calls that may hit a server that is restarting or cut off.
+"""One retry helper for calls that may hit a server that is restarting or cut off, and one
+for waiting until something holds (a port file written, a metric reached).
 
 Capped exponential backoff with full jitter (sleep a random time up to min(cap, base·2^n)),
 so many learners that lost the same server do not come back in lock step.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -79,3 +81,18 @@ def call_with_retry(
                 on_retry(err, delay)
             if stop.wait(delay):
                 raise Stopped() from err
+
+
+def wait_until(check: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Call `check` every `interval_s` until it returns a truthy value, and return that value.
+
+    Raises TimeoutError naming `what` after `timeout_s`; an exception from `check` ends the
+    wait at once (e.g. the process being waited on has exited)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(interval_s)

@@ -12,26 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-# `python -m` rather than the console scripts: works from a checkout that is not installed.
-SERVER = [sys.executable, "-m", "server.main"]
-LEARNER = [sys.executable, "-m", "learner.main"]
-
-
-def wait_for_port(port_file: Path, server: subprocess.Popen, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if port_file.exists():
-            return int(port_file.read_text())
-        if server.poll() is not None:
-            raise RuntimeError(f"diloco-server exited with {server.returncode} before serving")
-        time.sleep(0.05)
-    raise RuntimeError(f"diloco-server did not start within {timeout_s} s")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from deploy.launcher import LEARNER, SERVER, Daemon, start_daemon, stop_all  # noqa: E402
 
 
 def main() -> int:
@@ -58,42 +44,33 @@ def main() -> int:
         parser.error("--learners must be >= 1 and --duration-s > 0")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="diloco-run-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    server_log = open(workdir / "server.log", "w")
-    server = subprocess.Popen(
-        [
-            *SERVER,
-            "--insecure",  # loopback only
-            "--listen",
-            "127.0.0.1:0",
-            "--port-file",
-            workdir / "port",
-            "--fragments",
-            str(args.fragments),
-        ],
-        stdout=server_log,
-        stderr=subprocess.STDOUT,
+    server = start_daemon(
+        "server",
+        [*SERVER, "--insecure", "--listen", "127.0.0.1:0", "--fragments", args.fragments],
+        workdir / "server.log",
+        port_file=workdir / "port",
     )
-    learners: list[subprocess.Popen] = []
+    print(f"server on 127.0.0.1:{server.port} (log: {server.log_path})", flush=True)
+    learners: list[Daemon] = []
     try:
-        port = wait_for_port(workdir / "port", server, timeout_s=60)
-        print(f"server on 127.0.0.1:{port} (log: {workdir / 'server.log'})", flush=True)
         for i in range(args.learners):
             flags = {
-                "--server": f"127.0.0.1:{port}",
+                "--server": f"127.0.0.1:{server.port}",
                 "--learner-id": f"learner-{i}",
                 "--learners-per-host": args.learners,
                 "--duration-s": args.duration_s,
                 "--sync-every-steps": args.sync_every_steps,
                 "--summary-file": workdir / f"learner-{i}.json",
             }
-            argv = [str(x) for pair in flags.items() for x in pair]
-            learners.append(subprocess.Popen([*LEARNER, "--insecure", *argv, *extra]))
-        codes = [p.wait() for p in learners]
+            argv = [x for pair in flags.items() for x in pair]
+            # Their output goes to ours: the eval loss as it falls, then their summaries.
+            learners.append(
+                start_daemon(f"learner-{i}", [*LEARNER, "--insecure", *argv, *extra], None)
+            )
+        codes = [learner.wait() for learner in learners]
     finally:
-        for proc in [*learners, server]:
-            if proc.poll() is None:
-                proc.terminate()
-        server.wait(timeout=30)
+        stop_all(learners)
+        server.stop()
     if any(codes):
         print(f"FAILED: learner exit codes {codes}", file=sys.stderr)
         return 1

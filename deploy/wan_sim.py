@@ -29,10 +29,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from deploy.launcher import Daemon, start_daemon, stop_all  # noqa: E402
+
 RESULTS = REPO / "bench" / "results" / "wan.json"
 SUBNET = "10.231"  # inside namespaces this script creates, never routed anywhere else
 GRPC_PORT = 50051
@@ -121,28 +123,21 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
         tau = ["--overlap-steps", str(args.overlap_steps)]
         flags = {**flags, "learner": [*flags["learner"], *tau]}
     with Network(args.learners, args.link_mbit) as net:
-        procs: list[subprocess.Popen] = []
-        logs = []
+        procs: list[Daemon] = []
 
-        def spawn(name: str, argv: list[str]) -> subprocess.Popen:
-            logs.append(open(workdir / f"{mode}-{name}.log", "w"))
-            proc = subprocess.Popen(argv, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT)
-            procs.append(proc)
-            return proc
+        def spawn(name: str, argv: list[str], port_file: Path | None = None) -> Daemon:
+            log = workdir / f"{mode}-{name}.log"
+            procs.append(start_daemon(name, argv, log, port_file=port_file))
+            return procs[-1]
 
         try:
-            port_file = workdir / f"{mode}-port"
             server = spawn(
                 "server",
                 in_ns(net.server_ns, "-m", "server.main", "--insecure", "--listen", "127.0.0.1:0",
-                      "--port-file", str(port_file), *flags["server"]),
+                      *flags["server"]),
+                port_file=workdir / f"{mode}-port",
             )  # fmt: skip
-            deadline = time.monotonic() + 60
-            while not port_file.exists():
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not start; see {workdir}")
-                time.sleep(0.1)
-            upstream = f"127.0.0.1:{port_file.read_text().strip()}"
+            upstream = f"127.0.0.1:{server.port}"
             for k in range(1, args.learners + 1):
                 spawn(
                     f"proxy{k}",
@@ -164,7 +159,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
                               *flags["learner"], *args.learner_flags),
                     )
                 )  # fmt: skip
-            codes = [p.wait(timeout=args.duration_s * 3 + 120) for p in learners]
+            codes = [p.wait(args.duration_s * 3 + 120) for p in learners]
             if any(codes):
                 raise RuntimeError(f"{mode}: learner exit codes {codes}; see {workdir}")
             per_learner = []
@@ -188,16 +183,7 @@ def run_mode(mode: str, args: argparse.Namespace, workdir: Path) -> dict:
                 )
             return {"learners": per_learner}
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            for f in logs:
-                f.close()
+            stop_all(procs[::-1])
 
 
 def main() -> int:

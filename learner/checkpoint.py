@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from common.atomic import atomic_write
 from learner.progress import SavedReplica
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -34,19 +34,9 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     either the previous checkpoint or the new one, never a torn file."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / CHECKPOINT_NAME
-    tmp = directory / f".{CHECKPOINT_NAME}.{os.getpid()}.tmp"
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    with open(tmp, "wb") as f:
-        f.write(buffer.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut
-    finally:
-        os.close(dir_fd)
+    atomic_write(path, buffer.getbuffer())
     return path
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import grpc
 
+from common.atomic import atomic_write
 from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME
 
 _authenticated: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -155,12 +156,9 @@ def add_token(path: str, learner_id: str) -> str:
     entries = parse_token_file(path) if os.path.exists(path) else {}
     token = secrets.token_urlsafe(32)
     entries[learner_id] = hash_token(token)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write("# learner_id sha256$salt$digest (server/auth.py); edit and SIGHUP to revoke\n")
-        f.writelines(f"{lid} {stored}\n" for lid, stored in entries.items())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    lines = [f"{lid} {stored}\n" for lid, stored in entries.items()]
+    header = "# learner_id sha256$salt$digest (server/auth.py); edit and SIGHUP to revoke\n"
+    atomic_write(path, header + "".join(lines), mode=0o600)
     return token
 
 

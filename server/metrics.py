@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from common.traffic import NO_FRAGMENT
 from server.aggregator import Aggregator
 from server.events import AggregatorEvents
+from server.policy import staleness_discount
 from server.ratelimit import RateLimit
 from server.servicer import AggregatorServicer
 
@@ -54,6 +55,12 @@ class ServerMetrics(AggregatorEvents):
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
             registry=r,
         )
+        self.discount = Counter(
+            "diloco_server_contribution_discount",
+            "Sum of accepted pushes' staleness discounts 1/(1 + staleness); over the staleness "
+            "histogram's count it is the share of their weight that stale pushes keep.",
+            registry=r,
+        )
         self.snapshot = Histogram(
             "diloco_server_snapshot_write_seconds",
             "Time to write one durable snapshot of the whole state.",
@@ -74,6 +81,7 @@ class ServerMetrics(AggregatorEvents):
 
     def contribution(self, staleness_versions: int) -> None:
         self.staleness.observe(staleness_versions)
+        self.discount.inc(staleness_discount(staleness_versions))
 
     def round_closed(self, contributors: int, round_s: float, outer_step_s: float) -> None:
         self.quorum.observe(contributors)
@@ -138,3 +146,12 @@ class _StateCollector(Collector):
             sent.add_metric([label], counts["sent"])
         yield received
         yield sent
+        merged = CounterMetricFamily(
+            "diloco_server_merged_tokens",
+            "Training tokens of accepted pushes whose round has closed, per fragment (a "
+            "learner's token counts once for each fragment it pushes).",
+            labels=["fragment"],
+        )
+        for fid, tokens in sorted(self.servicer.merged_tokens.totals(agg.version).items()):
+            merged.add_metric([str(fid)], tokens)
+        yield merged

@@ -45,6 +45,7 @@ from typing import BinaryIO
 
 import torch
 
+from common.atomic import atomic_write
 from common.checksum import crc32
 from common.errors import NotFound
 from server.config import PersistenceConfig, StreamingConfig
@@ -223,13 +224,7 @@ class StateStore:
 
     def write_snapshot(self, state: dict) -> None:
         """Replace the snapshot atomically, then start an empty log."""
-        tmp = self.snapshot_path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.snapshot_path)
-        self._fsync_dir()
+        atomic_write(self.snapshot_path, lambda f: torch.save(state, f))
         self.close()
         with open(self.log_path, "wb") as f:  # the snapshot covers everything logged so far
             os.fsync(f.fileno())
@@ -263,13 +258,6 @@ class StateStore:
         if self._log is not None:
             self._log.close()
             self._log = None
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:

@@ -12,7 +12,7 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from common.errors import DilocoError, InvalidArgument, PermissionDenied
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -51,10 +51,41 @@ def _abort_on_domain_error(method):
     return wrapper
 
 
+class MergedTokens:
+    """Tokens of accepted pushes whose round has closed, per fragment: the training that
+    reached the global model (for metrics). A push counts once the version it was accepted
+    for exists; one in a round that a crash loses never does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._merged: collections.Counter[int] = collections.Counter()
+        # fragment -> round version -> tokens of its accepted pushes, while the round is open
+        self._open: dict[int, collections.Counter[int]] = {}
+
+    def add(self, fragment_id: int, round_version: int, tokens: int, version: int) -> None:
+        """A push of `tokens` accepted for `round_version`; the fragment is at `version`."""
+        with self._lock:
+            self._open.setdefault(fragment_id, collections.Counter())[round_version] += tokens
+            self._close(fragment_id, version)
+
+    def totals(self, version_of: Callable[[int], int]) -> dict[int, int]:
+        """Merged tokens per fragment, given each fragment's current version."""
+        with self._lock:
+            for fragment_id in self._open:
+                self._close(fragment_id, version_of(fragment_id))
+            return dict(self._merged)
+
+    def _close(self, fragment_id: int, version: int) -> None:
+        rounds = self._open[fragment_id]
+        for round_version in [v for v in rounds if v <= version]:
+            self._merged[fragment_id] += rounds.pop(round_version)
+
+
 class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, aggregator: Aggregator, ingest_slots: int = 0) -> None:
         self.aggregator = aggregator
         self.traffic = Traffic()
+        self.merged_tokens = MergedTokens()
         # "accepted" or the rejection's status code name (a bounded set): for metrics.
         self.push_results: collections.Counter[str] = collections.Counter()
         # Two per core: one push can be received while another is decoded.
@@ -137,6 +168,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     tokens=header.tokens,
                     inner_steps=header.inner_steps,
                 )
+                self.merged_tokens.add(fid, version, header.tokens, agg.version(fid))
         response = pb.PushFragmentResponse(accepted=True, round_version=version)
         self.count_push("accepted")
         self.traffic.count(fid, sent=response.ByteSize())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,35 +11,7 @@ import pytest
 from common.config import build_config
 from server.app import AggregatorService
 from server.config import ServerConfig
-
-REPO = Path(__file__).resolve().parents[2]
-
-# A model and data small enough that an outer step takes well under a second on one core.
-TINY_LEARNER_FLAGS = [
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "32",
-    "--batch-size",
-    "4",
-    "--sync-every-steps",
-    "5",
-    "--corpus-max-bytes",
-    "300000",
-    "--eval-batches",
-    "2",
-    "--torch-threads",
-    "1",
-    "--connect-timeout-s",
-    "30",
-    "--status-every-s",
-    "0",  # tests wait for every outer step's log line
-    "--insecure",
-]
+from tests.support.processes import learner_process
 
 
 @pytest.fixture
@@ -67,23 +38,7 @@ def start_learner(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
     procs: list[subprocess.Popen] = []
 
     def start(port: int, learner_id: str, *flags: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{learner_id}.log", "w")
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "learner.main",
-                "--server",
-                f"127.0.0.1:{port}",
-                "--learner-id",
-                learner_id,
-                *TINY_LEARNER_FLAGS,
-                *flags,
-            ],
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        proc = learner_process(tmp_path, port, learner_id, *flags).proc
         procs.append(proc)
         return proc
 
@@ -92,7 +47,3 @@ def start_learner(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def learner_log(tmp_path: Path, learner_id: str) -> str:
-    return (tmp_path / f"{learner_id}.log").read_text()

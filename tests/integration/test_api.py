@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from learner.api import DilocoSync
-from tests.integration.conftest import REPO
+from tests.support.processes import REPO
 
 H = 4
 OUTER_STEPS = 5

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -14,9 +11,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
+from common.retry import wait_until
 from common.rpc import LEARNER_ID_HEADER, create_channel
 from server.auth import add_token
-from tests.integration.conftest import REPO, learner_log
+from tests.support.processes import learner_log, server_process
 
 SPECS = [pb.ParamSpec(name="w", shape=[4], dtype="float32")]
 
@@ -96,37 +94,26 @@ def test_a_learner_cannot_act_as_another(start_service, tokens) -> None:
 
 def test_sighup_reload_revokes_a_token(tmp_path: Path, tokens) -> None:
     path, issued = tokens
-    port_file = tmp_path / "port"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "server.main", "--insecure", "--listen", "127.0.0.1:0",
-         "--port-file", str(port_file), "--auth-token-file", str(path)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server = server_process(tmp_path, "server", "--auth-token-file", str(path))
     try:
-        for _ in range(600):  # bounded: the port file appears once the server serves
-            if port_file.exists():
-                break
-            time.sleep(0.05)
-        with create_channel(f"127.0.0.1:{port_file.read_text().strip()}") as channel:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
             stub = pb_grpc.AggregatorStub(channel)
             request = pb.JoinRequest(learner_id="a", fingerprint=SPECS)
             stub.Join(request, metadata=creds("a", issued["a"]))
             kept = [line for line in path.read_text().splitlines() if not line.startswith("a ")]
             path.write_text("\n".join(kept) + "\n")
-            server.send_signal(signal.SIGHUP)
+            server.signal(signal.SIGHUP)
             join_a = lambda md: stub.Join(request, metadata=md)  # noqa: E731
-            for _ in range(100):  # bounded: the signal is handled within moments
-                if code_of(join_a, creds("a", issued["a"])) == grpc.StatusCode.UNAUTHENTICATED:
-                    break
-                time.sleep(0.05)
-            else:
-                raise AssertionError("a's token still works after the reload")
+            wait_until(
+                lambda: code_of(join_a, creds("a", issued["a"])) == grpc.StatusCode.UNAUTHENTICATED,
+                timeout_s=5,  # the signal is handled within moments
+                what="a's token refused after the reload",
+            )
             stub.Join(
                 pb.JoinRequest(learner_id="b", fingerprint=SPECS), metadata=creds("b", issued["b"])
             )
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop()
 
 
 def test_a_learner_process_trains_with_its_token(

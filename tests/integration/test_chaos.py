@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from tests.integration.conftest import REPO
+from tests.support.processes import REPO
 
 
 def test_short_chaos_run_keeps_every_invariant(tmp_path) -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import REPO, TINY_LEARNER_FLAGS
+from tests.support.processes import REPO, TINY_LEARNER_FLAGS
 
 
 def run(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:

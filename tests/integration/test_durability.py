@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.retry import wait_until
 from common.wire import decode_fragment, encode_fragment
 from learner.client import AggregatorClient
-from tests.integration.conftest import REPO
+from tests.support.processes import server_process
 
 SHAPES = [(64, 32), (32,)]
 FINGERPRINT = [
@@ -24,35 +24,9 @@ FINGERPRINT = [
 def start_server(
     tmp_path: Path, state_dir: Path, name: str, *flags: str, port: int = 0
 ) -> tuple[subprocess.Popen, int]:
-    port_file = tmp_path / f"{name}.port"
-    argv = [
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--port-file",
-        str(port_file),
-        "--state-dir",
-        str(state_dir),
-        "--lease-s",
-        "30",
-        *flags,
-    ]
-    log = open(tmp_path / f"{name}.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server.main", "--insecure", *argv],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    for _ in range(600):  # bounded: the port file appears once the server serves
-        if port_file.exists():
-            break
-        if proc.poll() is not None:
-            raise AssertionError((tmp_path / f"{name}.log").read_text())
-        try:
-            proc.wait(timeout=0.05)
-        except subprocess.TimeoutExpired:
-            pass
-    return proc, int(port_file.read_text())
+    flags = ("--state-dir", str(state_dir), "--lease-s", "30", *flags)
+    server = server_process(tmp_path, name, *flags, port=port)
+    return server.proc, server.port
 
 
 def test_kill_9_mid_round_then_restart_loses_no_served_version(tmp_path) -> None:
@@ -104,15 +78,17 @@ def test_kill_9_mid_round_then_restart_loses_no_served_version(tmp_path) -> None
 
 def wait_for_log(proc: subprocess.Popen, path: Path, text: str, count: int = 1) -> None:
     """Bounded wait until `text` appears `count` times in a process's log."""
-    for _ in range(1200):
+
+    def seen() -> bool:
         if path.read_text().count(text) >= count:
-            return
-        try:
-            proc.wait(timeout=0.05)
-        except subprocess.TimeoutExpired:
-            continue
-        raise AssertionError(f"process exited early:\n{path.read_text()[-3000:]}")
-    raise AssertionError(f"{text!r} did not appear:\n{path.read_text()[-3000:]}")
+            return True
+        assert proc.poll() is None, f"process exited early:\n{path.read_text()[-3000:]}"
+        return False
+
+    try:
+        wait_until(seen, 60, repr(text))
+    except TimeoutError as err:
+        raise AssertionError(f"{err}:\n{path.read_text()[-3000:]}") from None
 
 
 def test_learner_trains_through_a_server_crash_and_resyncs(tmp_path, start_learner) -> None:

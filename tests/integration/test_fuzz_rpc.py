@@ -15,10 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from bench.fuzz_cases import run_servicer_case
-from bench.fuzz_grpc import GrpcCaller
-from bench.fuzz_strategies import mutated_push
-from bench.fuzz_world import (
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from tests.support.fuzz.cases import run_servicer_case
+from tests.support.fuzz.grpc_caller import GrpcCaller
+from tests.support.fuzz.strategies import mutated_push
+from tests.support.fuzz.world import (
     FINGERPRINT,
     GOOD,
     MALLORY,
@@ -27,7 +28,6 @@ from bench.fuzz_world import (
     pull_wait_capped,
     state_digest,
 )
-from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "diloco-hypothesis")  # not the repo
 CI = settings(

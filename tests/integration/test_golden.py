@@ -26,7 +26,7 @@ from learner.trainer import Learner
 from server.aggregator import Aggregator, ParamSpec
 from server.app import AggregatorService
 from server.main import parse_config as server_config
-from tests.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 OUTER_STEPS = 4
 H = 4

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import torch
 
-from tests.integration.conftest import REPO, TINY_LEARNER_FLAGS, learner_log
+from deploy.launcher import start_daemon
+from tests.support.processes import TINY_LEARNER_FLAGS, learner_log
 
 OUTER_STEPS = 3
 TOKENS_PER_RANK_STEP = 4 * 32  # batch size x block size in TINY_LEARNER_FLAGS
@@ -28,30 +28,26 @@ def test_a_two_rank_island_acts_as_one_learner(start_service, start_learner, tmp
     }
     outputs["i"] += ["--save-params", str(tmp_path / "island.pt")]
     env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}  # loopback only
-    with open(tmp_path / "island.log", "w") as log:
-        island = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
-                *("--nproc-per-node", "2", "-m", "learner.main"),
-                *("--server", f"127.0.0.1:{service.port}", "--learner-id", "island"),
-                *TINY_LEARNER_FLAGS,
-                *("--max-outer-steps", str(OUTER_STEPS), *outputs["i"]),
-            ],
-            cwd=REPO,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    island = start_daemon(
+        "island",
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            *("--nproc-per-node", "2", "-m", "learner.main"),
+            *("--server", f"127.0.0.1:{service.port}", "--learner-id", "island"),
+            *TINY_LEARNER_FLAGS,
+            *("--max-outer-steps", str(OUTER_STEPS), *outputs["i"]),
+        ],
+        tmp_path / "island.log",
+        env=env,
+    )
     try:
         single = start_learner(
             service.port, "single", "--max-outer-steps", str(OUTER_STEPS), *outputs["s"]
         )
-        assert island.wait(timeout=120) == 0, learner_log(tmp_path, "island")
+        assert island.wait(120) == 0, learner_log(tmp_path, "island")
         assert single.wait(timeout=60) == 0, learner_log(tmp_path, "single")
     finally:
-        if island.poll() is None:
-            island.kill()
-            island.wait()
+        island.kill()
     island_log = learner_log(tmp_path, "island")
     assert island_log.count("learner=island joined") == 1  # one session for the two ranks
     ((fid, indices, version),) = service.aggregator.layout()

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from tests.integration.conftest import REPO, TINY_LEARNER_FLAGS
+from tests.support.processes import REPO, TINY_LEARNER_FLAGS
 
 
 def test_local_run_trains_and_summarises(tmp_path) -> None:

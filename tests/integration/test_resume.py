@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 
+from common.retry import wait_until
 from learner.checkpoint import load_checkpoint
-from tests.integration.conftest import learner_log
+from tests.support.processes import learner_log
 
 BATCH_SIZE = 4  # TINY_LEARNER_FLAGS
 
@@ -24,15 +24,14 @@ def test_a_killed_learner_resumes_its_steps_and_data_position(
     flags += ["--checkpoint-every-steps", "3"]
     flags += ["--checkpoint-every-s", "0"]
     first = start_learner(service.port, "first", "--learner-id", "r", *flags)
-    saved = None
-    for _ in range(1200):  # bounded: the learner writes one every 3 steps once it trains
-        saved = load_checkpoint(ckpt) if (ckpt / "checkpoint.pt").exists() else None
-        if saved is not None and saved["progress"]["inner_steps"] >= 12:
-            break
+
+    def trained_12_steps() -> bool:
         assert first.poll() is None, learner_log(tmp_path, "first")
-        time.sleep(0.1)
-    else:
-        raise AssertionError(learner_log(tmp_path, "first"))
+        saved = load_checkpoint(ckpt) if (ckpt / "checkpoint.pt").exists() else None
+        return saved is not None and saved["progress"]["inner_steps"] >= 12
+
+    # Bounded: the learner writes one every 3 steps once it trains.
+    wait_until(trained_12_steps, 120, "a checkpoint after 12 steps", interval_s=0.1)
     first.kill()  # SIGKILL: no leave, no final checkpoint
     first.wait(timeout=10)
     saved = load_checkpoint(ckpt)  # the last one written before the kill

@@ -18,7 +18,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.tls import channel_credentials
 from learner.client import AggregatorClient
 from server.config import ServerConfig
-from tests.integration.conftest import REPO, TINY_LEARNER_FLAGS
+from tests.support.processes import REPO, TINY_LEARNER_FLAGS
 
 SPECS = [pb.ParamSpec(name="w", shape=[4], dtype="float32")]
 EC_KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]

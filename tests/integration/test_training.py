@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from tests.integration.conftest import learner_log
+from common.retry import wait_until
+from tests.support.processes import learner_log
 
 OUTER_STEPS = 4
 
@@ -88,12 +89,9 @@ def test_a_killed_learner_does_not_stall_the_other(start_service, start_learner,
     # Both must have taken part in rounds before the kill, so the kill really interrupts.
     # The survivor may close rounds alone before the victim's process has even started, so
     # count rounds from the moment both are live (in sync mode each then needs both).
-    for _ in range(1200):  # bounded: two learner processes start within seconds
-        if {"survivor", "victim"} <= set(agg.live_learners()):
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(learner_log(tmp_path, "victim"))
+    wait_until(  # bounded: two learner processes start within seconds
+        lambda: {"survivor", "victim"} <= set(agg.live_learners()), 120, "both learners live"
+    )
     both_live = agg.version(0)
     assert agg.wait_for_version(0, both_live + 3, timeout_s=120) >= both_live + 3
     assert "victim" in agg.live_learners()

@@ -7,15 +7,7 @@ from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, No
 from server.aggregator import Aggregator, ParamSpec
 from server.config import aggregator_config
 from server.outer import NesterovOuter
-from tests.fakes import FakeClock
-
-SHAPES = [(3, 4), (5,)]
-FINGERPRINT = [ParamSpec(f"p{i}", s, "float32") for i, s in enumerate(SHAPES)]
-
-
-def tensors(seed: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g) for s in SHAPES]
+from tests.support.fakes import FINGERPRINT, SHAPES, FakeClock, tensors
 
 
 def make(n_learners: int, **config) -> tuple[Aggregator, list[str], FakeClock]:

@@ -17,16 +17,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from bench.fuzz_cases import (
+from common.errors import InvalidArgument
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import encode_fragment
+from tests.support.fuzz.cases import (
     CaseReport,
     check_call,
     direct_caller,
     run_concurrent_case,
     run_servicer_case,
 )
-from bench.fuzz_decoders import run_decoder_case
-from bench.fuzz_strategies import Call
-from bench.fuzz_world import (
+from tests.support.fuzz.decoders import run_decoder_case
+from tests.support.fuzz.strategies import Call
+from tests.support.fuzz.world import (
     FINGERPRINT,
     MALLORY,
     Scenario,
@@ -38,9 +41,6 @@ from bench.fuzz_world import (
     state_digest,
     state_is_finite,
 )
-from common.errors import InvalidArgument
-from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment
 
 # Hypothesis caches (constants, unicode tables) go to a temporary directory, not the repository.
 set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "diloco-hypothesis")

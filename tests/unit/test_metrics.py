@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 from server.aggregator import Aggregator, ParamSpec
 from server.config import aggregator_config
 from server.metrics import ServerMetrics
-from server.servicer import AggregatorServicer
-from tests.unit.test_aggregator import FINGERPRINT, FakeClock, tensors
+from server.servicer import AggregatorServicer, MergedTokens
+from tests.support.fakes import FINGERPRINT, FakeClock, tensors
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,6 +42,7 @@ def test_server_metrics_record_rounds_staleness_and_state() -> None:
     agg.push(c, 0, 0, tensors(4), tokens=10, inner_steps=1)  # one version behind
     assert get("diloco_server_contribution_staleness_versions_sum") == 1
     assert get("diloco_server_contribution_staleness_versions_bucket", {"le": "0.0"}) == 3
+    assert get("diloco_server_contribution_discount_total") == 3.5  # 3 x 1 + 1/(1 + 1)
     assert get("diloco_server_fragment_version", {"fragment": "0"}) == 2
     assert get("diloco_server_live_learners") == 3
     agg.leave(b)
@@ -55,6 +56,20 @@ def test_server_metrics_record_rounds_staleness_and_state() -> None:
     servicer.traffic.count(received=5)  # no fragment: Join, Heartbeat
     assert get("diloco_server_sent_bytes_total", {"fragment": "0"}) == 100
     assert get("diloco_server_received_bytes_total", {"fragment": "none"}) == 5
+    servicer.merged_tokens.add(0, 3, 40, version=2)  # its round (version 3) is still open
+    assert get("diloco_server_merged_tokens_total", {"fragment": "0"}) is None
+
+
+def test_merged_tokens_count_a_push_once_its_round_has_closed() -> None:
+    merged = MergedTokens()
+    merged.add(0, 1, 100, version=0)  # fragment 0's round 1 is open
+    merged.add(1, 1, 50, version=1)  # fragment 1's closed with this push (async mode)
+    assert merged.totals({0: 0, 1: 1}.__getitem__) == {1: 50}
+    merged.add(0, 1, 30, version=0)
+    assert merged.totals({0: 1, 1: 1}.__getitem__) == {0: 130, 1: 50}
+    merged.add(0, 2, 7, version=1)
+    assert merged.totals({0: 1, 1: 1}.__getitem__) == {0: 130, 1: 50}
+    assert merged.totals({0: 2, 1: 1}.__getitem__) == {0: 137, 1: 50}
 
 
 def test_metrics_of_two_servers_do_not_mix() -> None:

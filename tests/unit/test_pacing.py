@@ -13,7 +13,7 @@ from learner.trainer import Slowdown
 from server.aggregator import Aggregator, ParamSpec
 from server.config import aggregator_config
 from server.policy import estimated_schedule_step, median_step_time_s
-from tests.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]
 

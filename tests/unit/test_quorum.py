@@ -8,7 +8,7 @@ from server.aggregator import Aggregator, ParamSpec
 from server.config import aggregator_config
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s, staleness_discount
-from tests.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]
 

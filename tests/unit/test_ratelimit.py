@@ -8,7 +8,7 @@ import pytest
 from common.retry import call_with_retry, retry_after_s
 from common.rpc import RETRY_AFTER_HEADER
 from server.ratelimit import TokenBuckets
-from tests.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 
 def test_burst_then_steady_rate() -> None:

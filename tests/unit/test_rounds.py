@@ -11,7 +11,7 @@ from server.membership import Session
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import MODES
 from server.rounds import POLICIES, Async, Quorum, RoundPolicy, Sync, round_policy
-from tests.fakes import FakeClock
+from tests.support.fakes import FakeClock
 
 
 def policy(clock: FakeClock | None = None, outer: OuterConfig | None = None, **rounds):

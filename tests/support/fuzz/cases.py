@@ -1,6 +1,6 @@
 """One fuzz case and its properties, for the servicer and for the decoders.
 
-A servicer case: a fresh world (bench/fuzz_world.py), then 1-6 hostile calls with time passing
+A servicer case: a fresh world (world.py), then 1-6 hostile calls with time passing
 between them, then the good learner pushes every fragment and pulls one back. Properties,
 checked after every call:
 
@@ -14,7 +14,7 @@ checked after every call:
 - an accepted call leaves parameters, momentum, residual and round sums finite;
 - afterwards the good learner's pushes are accepted and its pull returns the fragment.
 
-Decoder cases are in bench/fuzz_decoders.py.
+Decoder cases are in decoders.py.
 """
 
 from __future__ import annotations
@@ -30,15 +30,11 @@ from typing import Any
 import grpc
 from hypothesis import strategies as st
 
-from bench.fuzz_strategies import (
-    ANY,
-    Call,
-    garbage_push,
-    mutated_push,
-    other_rpc,
-    scenarios,
-)
-from bench.fuzz_world import (
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import encode_fragment, params_crc32
+from tests.support.fuzz.garbage import garbage_push, other_rpc
+from tests.support.fuzz.strategies import ANY, Call, mutated_push, scenarios
+from tests.support.fuzz.world import (
     CALL_TIMEOUT_S,
     GOOD,
     Outcome,
@@ -49,8 +45,6 @@ from bench.fuzz_world import (
     state_digest,
     state_is_finite,
 )
-from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment, params_crc32
 
 Code = grpc.StatusCode
 REFUSALS = frozenset(

@@ -14,13 +14,13 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from bench.fuzz_cases import CaseReport
-from bench.fuzz_strategies import random_payload, random_tensor
-from bench.fuzz_world import CALL_TIMEOUT_S, SPECS, small_delta
 from common.codec import decode
 from common.errors import DilocoError, InvalidArgument, ResourceExhausted
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import apply_updates, decode_fragment, encode_fragment
+from tests.support.fuzz.cases import CaseReport
+from tests.support.fuzz.garbage import random_payload, random_tensor
+from tests.support.fuzz.world import CALL_TIMEOUT_S, SPECS, small_delta
 
 
 def run_decoder_case(draw: Callable) -> CaseReport:

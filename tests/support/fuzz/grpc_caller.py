@@ -18,12 +18,12 @@ from typing import Any
 
 import grpc
 
-from bench.fuzz_world import CALL_TIMEOUT_S, GOOD, MALLORY, Outcome, World
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import LEARNER_ID_HEADER, create_channel, create_server
 from server.auth import TokenAuth, add_token
 from server.servicer import AggregatorServicer
+from tests.support.fuzz.world import CALL_TIMEOUT_S, GOOD, MALLORY, Outcome, World
 
 RPCS = ("Join", "PushFragment", "PullParams", "Heartbeat", "Leave")
 
@@ -50,7 +50,7 @@ class _Forwarder(pb_grpc.AggregatorServicer):
 
 
 class GrpcCaller:
-    """A Caller (bench/fuzz_cases.py) that sends each call through a loopback gRPC server."""
+    """A Caller (cases.py) that sends each call through a loopback gRPC server."""
 
     def __init__(self, timeout_s: float = CALL_TIMEOUT_S, token_dir: str | None = None) -> None:
         """With `token_dir`, the server checks per-learner tokens (server/auth.py): calls on
