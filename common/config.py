@@ -160,6 +160,24 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             )
 
 
+def config_parser(prog: str, description: str, cls: type) -> argparse.ArgumentParser:
+    """A daemon's command line: every setting of `cls` as a flag, plus --config."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_config_flags(parser, cls)
+    return parser
+
+
+def parse_command_line(
+    parser: argparse.ArgumentParser,
+    cls: type[T],
+    argv: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> T:
+    """The config of `cls` from `argv` (default: sys.argv), `environ` (default: os.environ)
+    and the --config file; a bad value exits with one line (see config_from_args)."""
+    return config_from_args(parser, cls, parser.parse_args(argv), environ)
+
+
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 

@@ -21,30 +21,25 @@ import threading
 
 import grpc
 
-from common.config import add_config_flags, config_from_args
+from common.config import config_parser, parse_command_line
 from common.metrics_http import serve_metrics
 from learner.config import LearnerConfig
 from learner.island import Island
 from learner.trainer import Learner
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line: every LearnerConfig setting as a flag, grouped by section, plus
-    --config (a TOML file)."""
-    parser = argparse.ArgumentParser(prog="diloco-learner", description=__doc__.splitlines()[0])
-    add_config_flags(parser, LearnerConfig)
-    return parser
-
-
 def parse_config(argv: list[str], environ: dict[str, str] | None = None) -> LearnerConfig:
     """The config that `diloco-learner ARGV` runs with (tests build theirs the way users do)."""
-    parser = build_parser()
-    return config_from_args(parser, LearnerConfig, parser.parse_args(argv), environ or {})
+    return parse_command_line(build_parser(), LearnerConfig, argv, environ or {})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return config_parser("diloco-learner", __doc__.splitlines()[0], LearnerConfig)
 
 
 def main() -> None:
     parser = build_parser()
-    config = config_from_args(parser, LearnerConfig, parser.parse_args())
+    config = parse_command_line(parser, LearnerConfig)
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):

@@ -12,30 +12,25 @@ import logging
 import signal
 import threading
 
-from common.config import add_config_flags, config_from_args
+from common.config import config_parser, parse_command_line
 from common.metrics_http import serve_metrics
 from server.app import AggregatorService
 from server.config import ServerConfig
 from server.runtime import limit_malloc_arenas, single_threaded_torch, start_malloc_trimmer
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line: every ServerConfig setting as a flag, grouped by section, plus
-    --config (a TOML file)."""
-    parser = argparse.ArgumentParser(prog="diloco-server", description=__doc__.splitlines()[0])
-    add_config_flags(parser, ServerConfig)
-    return parser
-
-
 def parse_config(argv: list[str], environ: dict[str, str] | None = None) -> ServerConfig:
     """The config that `diloco-server ARGV` runs with (tests build theirs the way users do)."""
-    parser = build_parser()
-    return config_from_args(parser, ServerConfig, parser.parse_args(argv), environ or {})
+    return parse_command_line(build_parser(), ServerConfig, argv, environ or {})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return config_parser("diloco-server", __doc__.splitlines()[0], ServerConfig)
 
 
 def main() -> None:
     parser = build_parser()
-    config = config_from_args(parser, ServerConfig, parser.parse_args())
+    config = parse_command_line(parser, ServerConfig)
     observability = config.observability
     logging.basicConfig(level=observability.log_level, format="%(asctime)s %(name)s %(message)s")
     limit_malloc_arenas()  # before the server's threads start allocating (server/runtime.py)
