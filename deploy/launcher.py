@@ -106,7 +106,7 @@ def start_daemon(
     `port_file`: passed as --port-file; returns once the daemon has written it (it serves
     then), or raises RuntimeError if it exits first. `metrics`: serve /metrics on a free
     loopback port (--metrics-listen 127.0.0.1:0) and report it in a file next to the log; not
-    waited for (Daemon.metrics_port). `append`: append to the log the daemon wrote before (a restart).
+    waited for (Daemon.metrics_port). `append`: add to the log of the last start (a restart).
     """
     argv = [str(arg) for arg in argv]
     metrics_port_file = None
