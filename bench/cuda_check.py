@@ -29,8 +29,9 @@ from bench.simulate import InProcessTransport
 from common.codec import CODECS, decode, dequantize_fp4, encode, quantize_fp4
 from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.global_params import ParamSpec
 
 
 def synchronize(device: torch.device) -> None:

@@ -21,8 +21,9 @@ from common.wire import decode_fragment
 from learner.data import BatchSampler, load_corpus
 from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.global_params import ParamSpec
 
 
 @dataclass(kw_only=True)

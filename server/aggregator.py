@@ -39,7 +39,7 @@ from server.membership import Membership, Session
 from server.persistence import Persistence, Restored, state_identity
 from server.rounds import round_policy
 
-__all__ = ["Aggregator", "JoinResult", "ParamSpec"]
+__all__ = ["Aggregator", "JoinResult"]
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The formulas behind the round policies of server/rounds.py (DESIGN.md section 4).
+"""The formulas behind the round policies of server/rounds.py.
 
 Grace window (quorum): once `min_contributors` have pushed, a round waits `grace_steps` times
 the median inner-step time the live learners report, clamped to [grace_min_s, grace_max_s]:

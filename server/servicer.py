@@ -19,8 +19,9 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.traffic import NO_FRAGMENT, Traffic
 from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.auth import authenticated_learner
+from server.global_params import ParamSpec
 from server.ingest import IngestSlots
 
 log = logging.getLogger(__name__)

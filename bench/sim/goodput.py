@@ -39,8 +39,9 @@ from bench.sim.engine import EventQueue, Link, VirtualClock
 from bench.sim.model import FragmentPlan, ModelSpec
 from common.errors import AlreadyExists, FailedPrecondition, NotFound
 from learner.streaming import Schedule
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.global_params import ParamSpec
 from server.policy import grace_window_s
 
 SECONDS_PER_YEAR = 365.25 * 24 * 3600

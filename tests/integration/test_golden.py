@@ -23,8 +23,9 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import apply_updates, decode_fragment, params_crc32
 from learner.main import parse_config as learner_config
 from learner.trainer import Learner
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.app import AggregatorService
+from server.global_params import ParamSpec
 from server.main import parse_config as server_config
 from tests.support.fakes import FakeClock
 

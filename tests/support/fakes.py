@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from server.aggregator import ParamSpec
+from server.global_params import ParamSpec
 
 SHAPES = [(3, 4), (5,)]
 FINGERPRINT = [ParamSpec(f"p{i}", s, "float32") for i, s in enumerate(SHAPES)]

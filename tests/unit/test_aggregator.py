@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.global_params import ParamSpec
 from server.outer import NesterovOuter
 from tests.support.fakes import FINGERPRINT, SHAPES, FakeClock, tensors
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from prometheus_client import generate_latest
 
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.global_params import ParamSpec
 from server.metrics import ServerMetrics
 from server.servicer import AggregatorServicer, MergedTokens
 from tests.support.fakes import FINGERPRINT, FakeClock, tensors

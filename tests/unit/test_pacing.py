@@ -10,8 +10,9 @@ from learner.heartbeat import Pacer
 from learner.progress import Progress
 from learner.session import SyncSession
 from learner.trainer import Slowdown
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.global_params import ParamSpec
 from server.policy import estimated_schedule_step, median_step_time_s
 from tests.support.fakes import FakeClock
 

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.global_params import ParamSpec
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s, staleness_discount
 from tests.support.fakes import FakeClock

@@ -8,8 +8,9 @@ import zlib
 import pytest
 import torch
 
-from server.aggregator import Aggregator, ParamSpec
+from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.global_params import ParamSpec
 from server.persistence import LogRecord, StateStore
 
 SPECS = [ParamSpec("blocks.0.w", (8, 4), "float32"), ParamSpec("blocks.1.w", (40,), "float32")]
