@@ -133,6 +133,12 @@ class DilocoSync:
         self._last_step_s = time.perf_counter()
         return changed
 
+    def drain(self) -> None:
+        """Merge the syncs in flight and take the global parameters, still in the run (so a
+        final checkpoint can be written before close() leaves); a no-op once stopped."""
+        if self._open and not self._stop.is_set():
+            self.session.drain()
+
     def close(self, drain: bool = True) -> Progress:
         """Leave the run; with `drain`, first merge the syncs in flight and take the global
         parameters. Returns the totals (steps, tokens, bytes, versions)."""
@@ -140,8 +146,8 @@ class DilocoSync:
             return self.progress
         self._closed = True
         try:
-            if self._open and drain and not self._stop.is_set():
-                self.session.drain()
+            if drain:
+                self.drain()
         finally:
             self._open = False
             self.session.close()  # also closes the channel of a session never opened

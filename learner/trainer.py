@@ -141,7 +141,7 @@ class Learner:
                 if checkpoint_dir and self._checkpoints.due(self.progress.inner_steps):
                     self._save_checkpoint()
             if self.sync is not None:
-                self.sync.close()  # merges the syncs in flight, unless asked to stop
+                self.sync.drain()  # merges the syncs in flight, unless asked to stop
             island.broadcast_params(self.params)
             if checkpoint_dir:
                 self._save_checkpoint()
@@ -150,7 +150,7 @@ class Learner:
         finally:
             self.progress.data_position = self.batches.position
             if self.sync is not None:
-                self.sync.close(drain=False)  # after an error: leave (a no-op once closed)
+                self.sync.close(drain=False)  # leave, after the final checkpoint
         return self.progress
 
     def _done(self, stop: threading.Event, started: float) -> bool:
