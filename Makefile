@@ -3,7 +3,8 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU wheel that installs offline on the development machines. Users with GPUs:
+# torch==$(TORCH_VERSION) from pip's configured index (a CPU wheel where the index serves one).
+# TORCH_SPEC replaces the requirement, PIP_EXTRA adds pip options; e.g. for CUDA:
 #   make run TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url https://download.pytorch.org/whl/cu128'
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)

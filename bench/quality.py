@@ -69,9 +69,8 @@ def variants(h_values: list[int], fragments: int, tuning_h: int, tune: bool) -> 
             replace(b0, name=f"(b) DiLoCo H={h0} no warm-up", outer_momentum_warmup_rounds=0),
             replace(d0, name=f"(d) Streaming fp4+overlap H={h0} alpha 0.5", merge_alpha=0.5),
         ]
-        # Candidates that narrow the gap at large H (a 10% data-parallel warm start does not
-        # pay for its bytes: the 0.9 M table in docs/RESULTS.md). At H=50 the 20-round
-        # warm-up spans the whole run.
+        # Candidates that narrow the gap at large H. At H=50 the 20-round warm-up spans the
+        # whole run.
         default = next(v for v in out if v.name == f"(d) Streaming fp4+overlap H={tuning_h}")
         # Outer lr 1.5 (+35% against +7.9% at 0.7, docs/RESULTS.md) is left out to keep the
         # run within 30 minutes.

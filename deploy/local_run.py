@@ -4,8 +4,8 @@
 
 Streaming DiLoCo by default: P = 2 fragments, 4-bit pushes and pulls, overlapped merges.
 The server binds a free port and writes it to a file; learners train on the built-in corpus
-until the duration passes, then leave. Prints every learner's eval loss as it falls, then a
-summary; exits non-zero if any process failed or the eval loss did not fall.
+until the duration passes, then leave; their status and final lines come here, then a summary.
+Exits 1 if a learner exits non-zero or its eval loss falls by less than --min-loss-drop.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> int:
                 "--summary-file": workdir / f"learner-{i}.json",
             }
             argv = [x for pair in flags.items() for x in pair]
-            # Their output goes to ours: the eval loss as it falls, then their summaries.
+            # Their output goes to ours: status lines with the eval loss, then their final lines.
             learners.append(
                 start_daemon(f"learner-{i}", [*LEARNER, "--insecure", *argv, *extra], None)
             )
