@@ -193,6 +193,10 @@ class NetworkConfig:
         tls = bool(self.tls_cert or self.tls_key or self.tls_client_ca)
         if self.insecure and tls:
             raise ValueError("insecure and tls_* settings exclude each other: choose one")
+
+    def check_tls_chosen(self) -> None:
+        """TLS or an explicit insecure: checked by ServerConfig after the training settings,
+        so that a bad training setting is reported first."""
         if not self.insecure and not (self.tls_cert and self.tls_key):
             raise ValueError(
                 "set tls_cert and tls_key to serve over TLS, or insecure to serve in "
@@ -277,6 +281,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         check_aggregator_sections(self)
+        self.network.check_tls_chosen()
 
 
 def check_aggregator_sections(config: AggregatorSections) -> None:
