@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 import torch
@@ -193,25 +192,32 @@ def test_sigterm_reaches_a_learner_waiting_at_a_merge(start_service, start_learn
         stalled.wait(timeout=60)
 
 
+ROUNDS_JUDGED = 16  # both fragments' rounds: b drifts about 70 of a's 80 steps of phase
+
+
 @pytest.mark.parametrize("align", [True, False], ids=["aligned", "control"])
 def test_quorum_learners_stay_in_phase_at_different_speeds(
     start_service, start_learner, tmp_path, align
 ):
     """quorum mode: b runs 12.5% slower than a (--slowdown 9 against 8), so without help
-    its pushes drift through a's phase (~3 steps a second against a period of H = 80) and
-    rounds close with one learner. Schedule alignment steers both towards the same phase,
-    so most rounds gather both. The control (--no-align-schedule) shows the test can tell
-    the difference (measured in 7 runs: 82-100% full rounds against 0-5%).
+    its pushes drift through a's phase and rounds close with one learner. Schedule alignment
+    steers both towards the same phase, so most rounds gather both. The control
+    (--no-align-schedule) shows the test can tell the difference.
 
     A drift the test sets, rather than a one-off stall: learners on shared cores also drift
-    on their own (measured up to ~5 steps a second), so a stall's offset does not stay put
-    long enough for the control to be judged. The grace
-    window (8 steps) is well wider than the few steps (about 3) by which the steering, one
-    correction per heartbeat, lets two learners drifting 3 steps a second apart differ; at
-    most one pass of the control through it (16 of 80 steps of phase) fits in the 20 s."""
+    on their own, so a stall's offset does not stay put long enough for the control to be
+    judged. It is judged over a number of rounds, not a time window: each fragment closes a
+    round every H = 80 of a's steps, in which b falls about 10 steps behind however loaded
+    the machine is, so the rounds judged span the same drift busy or idle. A full round needs
+    b within the grace window (8 steps) of a, 16 of the 80 steps of phase; in ROUNDS_JUDGED
+    rounds the control passes through it at most once. The grace window's cap in seconds
+    sits far above 8 loaded steps, so that the window stays 8 steps wide on a busy machine.
+    Measured in 7 windows of 16 rounds, idle, beside other tests and beside two CPU-bound
+    processes: aligned 75-100% full rounds, control 0-12%."""
     h = 80  # P = 2: each fragment is pushed every 80 steps; the grace window is 8 steps
+    # lease_s / 3 is the heartbeat interval, and each heartbeat brings one steering correction.
     service = start_service(
-        lease_s=3.0, mode="quorum", fragments=2, grace_steps=8.0, grace_max_s=1.0
+        lease_s=3.0, mode="quorum", fragments=2, grace_steps=8.0, grace_max_s=30.0
     )
     agg = service.aggregator
     contributors: list[int] = []
@@ -229,21 +235,22 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     a = start_learner(service.port, "a", *flags, "--slowdown", "8")
     b = start_learner(service.port, "b", *flags, "--slowdown", "9")
     try:
-        assert agg.wait_for_version(0, 3, timeout_s=120) >= 3, learner_log(tmp_path, "b")
+        # Bounds, not windows: a round takes about 2 s idle, 10-20 s on a loaded machine
+        # (the slowdown multiplies whatever a step costs).
+        assert agg.wait_for_version(0, 3, timeout_s=600) >= 3, learner_log(tmp_path, "b")
         seen = len(contributors)
-        time.sleep(20.0)
+        wait_until(lambda: len(contributors) >= seen + ROUNDS_JUDGED, 900, "the rounds judged")
         steps = agg.schedule_steps()
     finally:
         for proc in (a, b):
             proc.send_signal(signal.SIGTERM)
     for proc in (a, b):
         assert proc.wait(timeout=60) == 0
-    window = contributors[seen:]
-    assert len(window) >= 6, f"only {len(window)} rounds closed in 20 s"
+    window = contributors[seen : seen + ROUNDS_JUDGED]
     full_share = sum(1 for n in window if n == 2) / len(window)
     offset = (steps["b"] - steps["a"] + h / 2) % h - h / 2
     print(f"align={align}: b {offset:+.1f} steps from a; full rounds {full_share:.0%} {window}")
     if align:
         assert full_share >= 0.6, f"rounds had {window} contributors"
     else:
-        assert full_share <= 0.35, f"without alignment rounds stayed full: {window}"
+        assert full_share <= 0.4, f"without alignment rounds stayed full: {window}"
