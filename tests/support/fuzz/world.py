@@ -317,6 +317,7 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
                     }
                 ),
                 "contributors": tuple(sorted(rnd.contributors)),
+                "excused": tuple(sorted(rnd.excused)),
             }
         sessions = {
             s.session_id: _bits((s.learner_id, s.step, s.tokens, s.loss, s.step_time_s))
