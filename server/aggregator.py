@@ -120,9 +120,8 @@ class Aggregator:
         step_time_s: float = 0.0,
         schedule_step: int = 0,
     ) -> tuple[list[int], int]:
-        """Renew a lease and record progress; returns (fragment versions, live learners).
-        InvalidArgument for a report out of bounds (server/membership.py), which changes
-        nothing."""
+        """Renew a lease and record progress (a report out of bounds: InvalidArgument, no
+        change); returns (fragment versions, live learners)."""
         with self._cond:
             self._members.heartbeat(session_id, step, tokens, loss, step_time_s, schedule_step)
             return [f.version for f in self._params.fragments], len(self._members.live())
@@ -266,8 +265,7 @@ class Aggregator:
     # -- internals (call with the lock held) ---------------------------------------------
 
     def _drop(self, session: Session, why: str) -> None:
-        """End a session; its learner's excuses go with it (a rejoin starts clean), while
-        its accepted pushes stay in their rounds."""
+        # Its excuses go (a rejoin starts clean); its accepted pushes stay in their rounds.
         self._members.remove(session, why)
         for fragment in self._params.fragments:
             fragment.round.excused.discard(session.learner_id)
