@@ -137,8 +137,7 @@ class Aggregator:
             return self._members.schedule_estimate()
 
     def schedule_steps(self) -> dict[str, float]:
-        """Each live learner's schedule step now, as schedule_estimate moves them on, for those
-        that reported one; their differences modulo H are the learners' phase offsets."""
+        """Each reporting learner's schedule step now (differences mod H: phase offsets)."""
         with self._cond:
             return self._members.schedule_steps()
 
