@@ -77,9 +77,18 @@ class Aggregator:
         )
         identity = state_identity(config.streaming, config.rounds.mode)
         self._persistence = Persistence(config.persistence, identity, self.events)
-        restored = self._persistence.restore()
-        if restored is not None:
-            self._resume(restored)
+        if (restored := self._persistence.restore()) is not None:
+            self.resume(restored)
+
+    def resume(self, restored: Restored) -> None:
+        """Rebuild the fragments from a state dir: its snapshot, then its logged steps (at
+        start; diloco-export replays a dir on an Aggregator without one, server/export.py)."""
+        with self._cond:
+            self._params.restore(restored.fingerprint, restored.fragments)
+            for record in restored.updates:  # one record in memory at a time
+                fragment = self._params.fragments[record.fragment_id]
+                self._rounds.before_replay(fragment, record.outer_every)
+                fragment.apply_mean(record.mean)
 
     def checkpoint(self) -> None:
         """Write a snapshot now (at shutdown, so a restart replays nothing)."""
@@ -297,11 +306,3 @@ class Aggregator:
 
     def _snapshot(self) -> None:
         self._persistence.snapshot(self._params.fingerprint or [], self._params.fragments)
-
-    def _resume(self, restored: Restored) -> None:
-        """Rebuild the fragments from a state dir: its snapshot, then its logged steps."""
-        self._params.restore(restored.fingerprint, restored.fragments)
-        for record in restored.updates:  # one record in memory at a time
-            fragment = self._params.fragments[record.fragment_id]
-            self._rounds.before_replay(fragment, record.outer_every)
-            fragment.apply_mean(record.mean)
