@@ -81,8 +81,7 @@ class Aggregator:
             self.resume(restored)
 
     def resume(self, restored: Restored) -> None:
-        """Rebuild the fragments from a state dir: its snapshot, then its logged steps (at
-        start; diloco-export replays a dir on an Aggregator without one, server/export.py)."""
+        """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's)."""
         with self._cond:
             self._params.restore(restored.fingerprint, restored.fragments)
             for record in restored.updates:  # one record in memory at a time
