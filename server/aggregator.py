@@ -96,8 +96,6 @@ class Aggregator:
                 self._snapshot()
                 self._persistence.close()
 
-    # -- membership ---------------------------------------------------------------------
-
     def join(self, learner_id: str, fingerprint: Sequence[ParamSpec]) -> JoinResult:
         """Open a session; the first learner's fingerprint fixes the model for the run."""
         if not learner_id:
@@ -180,8 +178,6 @@ class Aggregator:
         with self._cond:
             return sorted(s.learner_id for s in self._members.live())
 
-    # -- parameters ---------------------------------------------------------------------
-
     def check_push(
         self, session_id: str, fragment_id: int, base_version: int, initial: bool = False
     ) -> list[tuple[int, ...]]:
@@ -210,12 +206,9 @@ class Aggregator:
         tokens: int = 0,
         inner_steps: int = 0,
     ) -> int:
-        """Add a pseudo-gradient to the fragment's open round; returns the version it helps
-        produce (the learner waits for that one).
-
-        `tensors` is the decoded pseudo-gradient or a PushBody that the servicer checked in
-        its wire encoding (server/ingest.py); a PushBody's norm and magnitude were computed
-        outside the lock, and it is decoded straight into the round's sum."""
+        """Add a pseudo-gradient (decoded, or a PushBody checked in its wire encoding outside
+        the lock and decoded straight into the round's sum, server/ingest.py) to the open
+        round; returns the version it helps produce (the learner waits for that one)."""
         body = tensors if isinstance(tensors, PushBody) else DenseBody(tensors)
         with self._cond:
             session, fragment = self._intake.check_header(
@@ -246,13 +239,20 @@ class Aggregator:
         with self._cond:
             return self._params.fragment(fragment_id).version
 
-    def wait_for_version(self, fragment_id: int, version: int, timeout_s: float) -> int:
-        """Block until the fragment reaches `version` or `timeout_s` passes; returns its version."""
+    def wait_for_version(
+        self, fragment_id: int, version: int, timeout_s: float, gone: Callable[[], bool] = bool
+    ) -> int:
+        """Block until the fragment reaches `version` (it may not exist yet: before the first
+        Join), `timeout_s` passes or `gone()` is true (the caller left: see wake)."""
         with self._cond:
-            # The fragment may not exist yet (before the first Join); wait for that too.
             version_of = self._params.version_of
-            self._cond.wait_for(lambda: version_of(fragment_id) >= version, timeout=timeout_s)
+            self._cond.wait_for(lambda: gone() or version_of(fragment_id) >= version, timeout_s)
             return version_of(fragment_id)
+
+    def wake(self) -> None:
+        """Make every wait_for_version caller check its `gone` now."""
+        with self._cond:
+            self._cond.notify_all()
 
     def pull(self, session_id: str, fragment_id: int, have_version: int) -> PullResult:
         """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""

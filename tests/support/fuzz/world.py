@@ -128,6 +128,9 @@ class FakeContext:
     def is_active(self) -> bool:
         return True
 
+    def add_callback(self, callback) -> bool:
+        return True  # a direct call never ends from outside
+
     def invocation_metadata(self) -> tuple:
         return ()
 
