@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 import textwrap
@@ -32,8 +33,10 @@ ENV_PREFIX = "DILOCO_"
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+@functools.cache  # parsed once per class: configs are built often, in threads too
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstrings written under each field, for this class and its bases."""
+    """The docstrings written under each field, for this class and its bases (do not
+    modify the returned dict: it is shared)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
@@ -296,6 +299,7 @@ def _is_section(kind: Any) -> bool:
     return isinstance(kind, type) and dataclasses.is_dataclass(kind)
 
 
+@functools.cache
 def _resolved_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     for name, hint in hints.items():

@@ -58,17 +58,29 @@ def sh(*argv: str, env: dict | None = None, quiet: bool = False) -> str:
     return result.stdout or ""
 
 
+def main_archive_mirror(deb822_sources: list[str], suite: str = "bookworm") -> str:
+    """The mirror of Debian's main archive for `suite` among apt's deb822 sources: the first
+    stanza that lists the suite itself (not `-security` or `-updates`, whose archives have no
+    Release file for the plain suite, so debootstrap cannot use them); Debian's default when
+    none does."""
+    for text in deb822_sources:
+        for stanza in text.split("\n\n"):
+            fields = dict(
+                line.split(":", 1) for line in stanza.splitlines() if ":" in line and line[0] != "#"
+            )
+            if suite in fields.get("Suites", "").split() and fields.get("URIs", "").strip():
+                return fields["URIs"].split()[0]
+    return "http://deb.debian.org/debian"
+
+
 def ensure_base_image(base: str) -> None:
     if subprocess.run(["docker", "image", "inspect", base], capture_output=True).returncode == 0:
         return
     if base != DEFAULT_BASE:
         raise RuntimeError(f"base image {base} not found")
     log(f"building {base} with debootstrap (about 2 minutes)")
-    mirror = "http://deb.debian.org/debian"
-    for source in Path("/etc/apt/sources.list.d").glob("*.sources"):
-        for line in source.read_text().splitlines():
-            if line.startswith("URIs: "):
-                mirror = line.split()[1]
+    sources = sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))
+    mirror = main_archive_mirror([source.read_text() for source in sources])
     rootfs = Path("/tmp/diloco-rootfs")
     shutil.rmtree(rootfs, ignore_errors=True)
     packages = "python3,python3-venv,python3-pip,ca-certificates,prometheus"

@@ -142,8 +142,10 @@ class GrpcTransport:
                 return self.pull(fragment_id, base_version, base_version + 1, session, abandon)
             if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
-            # Stale: the round closed without us. This update is lost; take the new state.
+            # Stale (the round closed without us) or refused by the server's norm guard: this
+            # update is lost; take the current state without waiting for a new version, which
+            # a round whose every push was refused never produces (server/rounds.py).
             self.stale_pushes += 1
             log.warning("fragment=%d push rejected: %s", fragment_id, err.details())
-            target = base_version + 1
+            target = base_version
         return self.pull(fragment_id, base_version, target, session, abandon)

@@ -77,9 +77,17 @@ class Aggregator:
         )
         identity = state_identity(config.streaming, config.rounds.mode)
         self._persistence = Persistence(config.persistence, identity, self.events)
-        restored = self._persistence.restore()
-        if restored is not None:
-            self._resume(restored)
+        if (restored := self._persistence.restore()) is not None:
+            self.resume(restored)
+
+    def resume(self, restored: Restored) -> None:
+        """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's)."""
+        with self._cond:
+            self._params.restore(restored.fingerprint, restored.fragments)
+            for record in restored.updates:  # one record in memory at a time
+                fragment = self._params.fragments[record.fragment_id]
+                self._rounds.before_replay(fragment, record.outer_every)
+                fragment.apply_mean(record.mean)
 
     def checkpoint(self) -> None:
         """Write a snapshot now (at shutdown, so a restart replays nothing)."""
@@ -87,8 +95,6 @@ class Aggregator:
             if self._params.fingerprint is not None:
                 self._snapshot()
                 self._persistence.close()
-
-    # -- membership ---------------------------------------------------------------------
 
     def join(self, learner_id: str, fingerprint: Sequence[ParamSpec]) -> JoinResult:
         """Open a session; the first learner's fingerprint fixes the model for the run."""
@@ -120,10 +126,10 @@ class Aggregator:
         step_time_s: float = 0.0,
         schedule_step: int = 0,
     ) -> tuple[list[int], int]:
-        """Renew a lease and record progress; returns (fragment versions, live learners)."""
+        """Renew a lease and record progress (a report out of bounds: InvalidArgument, no
+        change); returns (fragment versions, live learners)."""
         with self._cond:
-            session = self._members.renew(session_id)
-            self._members.report(session, step, tokens, loss, step_time_s, schedule_step)
+            self._members.heartbeat(session_id, step, tokens, loss, step_time_s, schedule_step)
             return [f.version for f in self._params.fragments], len(self._members.live())
 
     def median_step_time_s(self) -> float:
@@ -137,8 +143,7 @@ class Aggregator:
             return self._members.schedule_estimate()
 
     def schedule_steps(self) -> dict[str, float]:
-        """Each live learner's schedule step now, as schedule_estimate moves them on, for those
-        that reported one; their differences modulo H are the learners' phase offsets."""
+        """Each reporting learner's schedule step now (differences mod H: phase offsets)."""
         with self._cond:
             return self._members.schedule_steps()
 
@@ -173,8 +178,6 @@ class Aggregator:
         with self._cond:
             return sorted(s.learner_id for s in self._members.live())
 
-    # -- parameters ---------------------------------------------------------------------
-
     def check_push(
         self, session_id: str, fragment_id: int, base_version: int, initial: bool = False
     ) -> list[tuple[int, ...]]:
@@ -203,12 +206,9 @@ class Aggregator:
         tokens: int = 0,
         inner_steps: int = 0,
     ) -> int:
-        """Add a pseudo-gradient to the fragment's open round; returns the version it helps
-        produce (the learner waits for that one).
-
-        `tensors` is the decoded pseudo-gradient or a PushBody that the servicer checked in
-        its wire encoding (server/ingest.py); a PushBody's norm and magnitude were computed
-        outside the lock, and it is decoded straight into the round's sum."""
+        """Add a pseudo-gradient (decoded, or a PushBody checked in its wire encoding outside
+        the lock and decoded straight into the round's sum, server/ingest.py) to the open
+        round; returns the version it helps produce (the learner waits for that one)."""
         body = tensors if isinstance(tensors, PushBody) else DenseBody(tensors)
         with self._cond:
             session, fragment = self._intake.check_header(
@@ -239,13 +239,20 @@ class Aggregator:
         with self._cond:
             return self._params.fragment(fragment_id).version
 
-    def wait_for_version(self, fragment_id: int, version: int, timeout_s: float) -> int:
-        """Block until the fragment reaches `version` or `timeout_s` passes; returns its version."""
+    def wait_for_version(
+        self, fragment_id: int, version: int, timeout_s: float, gone: Callable[[], bool] = bool
+    ) -> int:
+        """Block until the fragment reaches `version` (it may not exist yet: before the first
+        Join), `timeout_s` passes or `gone()` is true (the caller left: see wake)."""
         with self._cond:
-            # The fragment may not exist yet (before the first Join); wait for that too.
             version_of = self._params.version_of
-            self._cond.wait_for(lambda: version_of(fragment_id) >= version, timeout=timeout_s)
+            self._cond.wait_for(lambda: gone() or version_of(fragment_id) >= version, timeout_s)
             return version_of(fragment_id)
+
+    def wake(self) -> None:
+        """Make every wait_for_version caller check its `gone` now."""
+        with self._cond:
+            self._cond.notify_all()
 
     def pull(self, session_id: str, fragment_id: int, have_version: int) -> PullResult:
         """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""
@@ -265,8 +272,10 @@ class Aggregator:
     # -- internals (call with the lock held) ---------------------------------------------
 
     def _drop(self, session: Session, why: str) -> None:
+        # Its excuses go (a rejoin starts clean); its accepted pushes stay in their rounds.
         self._members.remove(session, why)
         for fragment in self._params.fragments:
+            fragment.round.excused.discard(session.learner_id)
             self._maybe_close(fragment)
 
     def _maybe_close(self, fragment: FragmentState) -> None:
@@ -296,11 +305,3 @@ class Aggregator:
 
     def _snapshot(self) -> None:
         self._persistence.snapshot(self._params.fingerprint or [], self._params.fragments)
-
-    def _resume(self, restored: Restored) -> None:
-        """Rebuild the fragments from a state dir: its snapshot, then its logged steps."""
-        self._params.restore(restored.fingerprint, restored.fragments)
-        for record in restored.updates:  # one record in memory at a time
-            fragment = self._params.fragments[record.fragment_id]
-            self._rounds.before_replay(fragment, record.outer_every)
-            fragment.apply_mean(record.mean)

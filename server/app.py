@@ -1,4 +1,5 @@
-"""The running aggregator service: gRPC server, servicer, health, reflection and lease reaper.
+"""The running aggregator service: gRPC server, servicer, health, reflection (when on) and
+lease reaper.
 
     config = build_config(ServerConfig, {"listen": "127.0.0.1:0", "insecure": True})
     service = AggregatorService(config)
@@ -23,6 +24,7 @@ from common.rpc import SERVICE_NAME, create_server
 from server.aggregator import Aggregator
 from server.auth import TokenAuth
 from server.config import ServerConfig
+from server.inflight import InFlightLimit
 from server.metrics import ServerMetrics
 from server.ratelimit import RateLimit
 from server.servicer import AggregatorServicer
@@ -52,18 +54,23 @@ class AggregatorService:
             if limits.rate_limit_calls_per_s > 0
             else None
         )
-        # Authentication first: the limiter then keys on verified learner ids.
-        interceptors = tuple(i for i in (self.auth, self.rate_limit) if i is not None)
+        self.in_flight = (
+            InFlightLimit(limits.max_calls_in_flight) if limits.max_calls_in_flight > 0 else None
+        )
+        # Authentication first: the limits then key on verified learner ids.
+        chain = (self.auth, self.rate_limit, self.in_flight)
+        interceptors = tuple(i for i in chain if i is not None)
         self._server, self.port = create_server(
             network.listen, network.credentials(), interceptors=interceptors
         )
         self.servicer = AggregatorServicer(self.aggregator)
-        self.metrics.watch(self.aggregator, self.servicer, self.rate_limit)
+        self.metrics.watch(self.aggregator, self.servicer, self.rate_limit, self.in_flight)
         pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)
-        reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["Aggregator"].full_name, reflection.SERVICE_NAME),
-            self._server,
-        )
+        if network.reflection:
+            reflection.enable_server_reflection(
+                (pb.DESCRIPTOR.services_by_name["Aggregator"].full_name, reflection.SERVICE_NAME),
+                self._server,
+            )
         self._stopping = threading.Event()
         self._reaper = threading.Thread(target=self._expire_leases, name="reaper", daemon=True)
 

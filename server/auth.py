@@ -6,7 +6,7 @@
 The token file holds one line per learner, `learner_id sha256$salt$digest`: only a salted
 hash of each token, never the token. Learners send `x-diloco-learner-id` and
 `authorization: Bearer TOKEN` metadata on every call. The server's interceptor refuses any
-call to the Aggregator service (health checks are exempt) whose token does not match the
+call (health checks are exempt; reflection, when on, is not) whose token does not match the
 learner id, with UNAUTHENTICATED, and makes the verified id available to the servicer, which
 refuses with PERMISSION_DENIED a call that acts for another learner's session. Tokens are
 random 256-bit secrets, so one round of salted SHA-256 is enough (no password stretching).
@@ -27,7 +27,10 @@ from collections.abc import Callable
 import grpc
 
 from common.atomic import atomic_write
-from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME
+from common.rpc import LEARNER_ID_HEADER
+
+# The one service open to any caller and exempt from limits: orchestrators probe without tokens.
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 
 _authenticated: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "authenticated_learner", default=None
@@ -65,7 +68,7 @@ def parse_token_file(path: str) -> dict[str, str]:
 
 
 class TokenAuth(grpc.ServerInterceptor):
-    """Checks every Aggregator call's token; reload() re-reads the file (revocation)."""
+    """Checks the token of every call but health checks; reload() re-reads the file."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -89,8 +92,8 @@ class TokenAuth(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable, handler_call_details):
         handler = continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith(f"/{SERVICE_NAME}/"):
-            return handler  # health, reflection: open
+        if handler is None or handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
+            return handler
         metadata = dict(handler_call_details.invocation_metadata)
         learner_id = metadata.get(LEARNER_ID_HEADER, "")
         bearer = metadata.get("authorization", "")

@@ -186,6 +186,9 @@ class NetworkConfig:
     """Serve in plaintext, without TLS: only on a trusted network (logs a warning)."""
     auth_token_file: str = ""
     """Per-learner tokens (`diloco-token add FILE ID`); SIGHUP reloads. Empty: off."""
+    reflection: bool = False
+    """Serve gRPC server reflection (for grpcurl); behind the tokens when auth_token_file is
+    set. Off by default: a service a deployment does not use is one less to attack."""
 
     def __post_init__(self) -> None:
         if ":" not in self.listen:
@@ -212,17 +215,23 @@ class NetworkConfig:
 
 @dataclass(kw_only=True)
 class LimitsConfig:
-    """Per-learner call rate limits (server/ratelimit.py)."""
+    """Per-learner call rate and concurrency limits (server/ratelimit.py, server/inflight.py)."""
 
     rate_limit_calls_per_s: float = 100.0
     """Each learner may make this many calls per second on average (0: no limit); a
     learner over it is told to retry later (server/ratelimit.py)."""
     rate_limit_burst: int = 200
     """Calls a learner may make at once before rate_limit_calls_per_s applies."""
+    max_calls_in_flight: int = 16
+    """Calls one learner may have open at the same time (0: no limit). Each open call holds
+    one of the server's 256 worker threads (a long-poll for up to a minute), so this stops a
+    few learners from starving the rest; our learners have at most three open at once."""
 
     def __post_init__(self) -> None:
         if not self.rate_limit_calls_per_s >= 0 or self.rate_limit_burst < 1:
             raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
+        if self.max_calls_in_flight < 0:
+            raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
 
 
 @dataclass(kw_only=True)

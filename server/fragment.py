@@ -43,6 +43,9 @@ class Round:
     delta_sum: list[torch.Tensor] | None = None  # Σ weight·discount·Δ
     weight_sum: float = 0.0  # Σ weight (undiscounted: stale contributions shrink the step)
     contributors: set[str] = field(default_factory=set)
+    # Learners whose push the norm guard refused: the round does not wait for them, and a
+    # round that ends with no accepted push takes no step (server/rounds.py).
+    excused: set[str] = field(default_factory=set)
     pushes: int = 0
     tokens: int = 0
     quorum_since: float | None = None  # clock time the round first had enough contributors
@@ -145,6 +148,7 @@ class FragmentState:
         rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
+        rnd.excused.discard(learner_id)
         rnd.pushes += 1
         rnd.tokens += tokens
 

@@ -37,8 +37,9 @@ MAX_ROUND_SUM_ABS = 1e37
 
 
 class PushRefused(ValueError):
-    """The norm guard refused the push; its learner counts as having taken part with nothing,
-    so a sync round does not wait for it forever. The global parameters are untouched."""
+    """The norm guard refused the push. Its learner is excused from the open round, which
+    then does not wait for it; nothing else is kept of the push, so its next one (a new try
+    at this round, or at the next) is taken as usual. The global parameters are untouched."""
 
 
 class PushIntake:
@@ -104,8 +105,7 @@ class PushIntake:
         try:
             guard.check(norm)
         except ValueError as err:
-            fragment.round.contributors.add(learner_id)
-            fragment.last_push_base[learner_id] = base_version
+            fragment.round.excused.add(learner_id)
             raise PushRefused(str(err)) from err
         fragment.add(learner_id, body, tokens, weight, discount)
         fragment.last_push_base[learner_id] = base_version

@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from common.traffic import NO_FRAGMENT
 from server.aggregator import Aggregator
 from server.events import AggregatorEvents
+from server.inflight import InFlightLimit
 from server.policy import staleness_discount
 from server.ratelimit import RateLimit
 from server.servicer import AggregatorServicer
@@ -73,9 +74,11 @@ class ServerMetrics(AggregatorEvents):
         aggregator: Aggregator,
         servicer: AggregatorServicer,
         rate_limit: RateLimit | None = None,
+        in_flight: InFlightLimit | None = None,
     ) -> None:
         """Export the aggregator's and servicer's current state at every scrape."""
         self.registry.register(_StateCollector(aggregator, servicer, rate_limit))
+        self.registry.register(_CallsCollector(servicer, in_flight))
 
     # -- AggregatorEvents -------------------------------------------------------------------
 
@@ -155,3 +158,26 @@ class _StateCollector(Collector):
         for fid, tokens in sorted(self.servicer.merged_tokens.totals(agg.version).items()):
             merged.add_metric([str(fid)], tokens)
         yield merged
+
+
+class _CallsCollector(Collector):
+    """Calls the server holds open: what the bounds on worker threads watch."""
+
+    def __init__(self, servicer: AggregatorServicer, in_flight: InFlightLimit | None) -> None:
+        self.servicer, self.in_flight = servicer, in_flight
+
+    def collect(self) -> Iterator:
+        yield GaugeMetricFamily(
+            "diloco_server_waiting_pulls",
+            "PullParams long-polls waiting now for a version (each holds a worker thread).",
+            value=self.servicer.waiting_pulls(),
+        )
+        refused = CounterMetricFamily(
+            "diloco_server_in_flight_limited_calls",
+            "Calls refused because their learner already had max_calls_in_flight open, by method.",
+            labels=["method"],
+        )
+        if self.in_flight is not None:
+            for method, count in sorted(self.in_flight.refused_counts().items()):
+                refused.add_metric([method], count)
+        yield refused

@@ -33,6 +33,22 @@ class OuterOptimizer(Protocol):
         """Load the state a snapshot saved (`vars()` of the optimizer) at fragment `version`."""
 
 
+# The OuterConfig setting that each optimizer field saved in a snapshot (`vars()`) holds.
+_SETTING_OF_FIELD = {
+    "lr": "outer_lr",
+    "momentum": "outer_momentum",
+    "warmup_rounds": "outer_momentum_warmup_rounds",
+    "warmup_start": "outer_momentum_warmup_start",
+}
+
+
+def snapshot_settings(state: dict) -> dict[str, float]:
+    """The OuterConfig settings, by flat name, of the optimizer whose `vars()` a snapshot
+    saved: what a replay of the state dir's log needs when the flags of the server that
+    wrote it are not at hand (diloco-export)."""
+    return {setting: state[key] for key, setting in _SETTING_OF_FIELD.items() if key in state}
+
+
 def warmed_momentum(momentum: float, start: float, rounds: int, taken: int) -> float:
     """The momentum of outer step `taken` (0-based) under a linear warm-up from `start` to
     `momentum` over the first `rounds` steps; `rounds` = 0: always `momentum`.

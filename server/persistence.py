@@ -2,6 +2,7 @@
 
     persistence = Persistence(config.persistence, identity)   # inert without a state_dir
     restored = persistence.restore()       # at start: the snapshot and the log's steps, or None
+    restored = read_state_dir(path)        # the same, changing nothing (diloco-export)
     persistence.record(fragment_id, version, mean, every)     # each closed round, fsynced
     if persistence.round_closed(): persistence.snapshot(fingerprint, fragments)
 
@@ -73,6 +74,7 @@ class LogRecord:
 class Restored:
     """What a state dir holds: the snapshot's state, then the log's steps after it."""
 
+    identity: dict  # what state_identity() returned for the server that wrote it
     fingerprint: list[ParamSpec]
     fragments: list[dict]  # FragmentState.state_dict() of each fragment, in fragment order
     updates: Iterator[LogRecord]  # each the next version of its fragment; read it to the end
@@ -110,24 +112,15 @@ class Persistence:
     def restore(self) -> Restored | None:
         """The state the dir holds, None for an empty dir (or none). Raises ValueError for a
         dir written with other settings, RuntimeError for a log without its snapshot."""
-        store = self._store
-        if store is None:
+        if self._store is None:
             return None
-        snapshot = store.load_snapshot()
-        if snapshot is None:
-            if next(store.replay(), None) is not None:
-                raise RuntimeError(f"{store.log_path} has records but there is no snapshot")
-            return None
-        written = snapshot["layout"]
-        if written != self._identity:
+        restored = _restore(self._store)
+        if restored is not None and restored.identity != self._identity:
             raise ValueError(
-                f"state dir {self.state_dir} was written with {written}; "
+                f"state dir {self.state_dir} was written with {restored.identity}; "
                 f"start the server with the same settings or a new state dir"
             )
-        fingerprint = [ParamSpec(n, tuple(shape), d) for n, shape, d in snapshot["fingerprint"]]
-        fragments = snapshot["fragments"]
-        versions = [state["version"] for state in fragments]
-        return Restored(fingerprint, fragments, self._updates(store, versions))
+        return restored
 
     def record(self, fragment_id: int, version: int, mean: list[torch.Tensor], every: int) -> None:
         """Log the outer step that made `version` of a fragment; on disk when this returns."""
@@ -162,35 +155,56 @@ class Persistence:
         if self._store is not None:
             self._store.close()
 
-    def _updates(self, store: StateStore, versions: list[int]) -> Iterator[LogRecord]:
-        """The log's records that follow the snapshot's `versions`, one in memory at a time."""
-        replayed = 0
-        for record in store.replay():
-            replayed += 1
-            fid = record.fragment_id
-            if not 0 <= fid < len(versions):
-                raise NotFound(f"fragment {fid} does not exist")
-            if record.version <= versions[fid]:
-                continue  # a crash between snapshot and log reset: already in the snapshot
-            if record.version != versions[fid] + 1:
-                raise RuntimeError(
-                    f"{store.log_path}: record for fragment {fid} version "
-                    f"{record.version} does not follow version {versions[fid]}"
-                )
-            yield record
-            versions[fid] += 1
-        log.info(
-            "restored from %s: versions %s (replayed %d records)",
-            self.state_dir,
-            versions,
-            replayed,
-        )
+
+def read_state_dir(state_dir: str | Path) -> Restored | None:
+    """What `state_dir` holds, as a server starting on it would restore it, read without
+    changing anything: a torn log tail is skipped, not truncated, and a missing dir is not
+    made. None when it holds no snapshot. For tools that read a server's dir (diloco-export);
+    raises what Persistence.restore raises, and OSError or a torch.load error for an
+    unreadable snapshot."""
+    return _restore(StateStore(state_dir, read_only=True))
+
+
+def _restore(store: StateStore) -> Restored | None:
+    snapshot = store.load_snapshot()
+    if snapshot is None:
+        if next(store.replay(), None) is not None:
+            raise RuntimeError(f"{store.log_path} has records but there is no snapshot")
+        return None
+    fingerprint = [ParamSpec(n, tuple(shape), d) for n, shape, d in snapshot["fingerprint"]]
+    fragments = snapshot["fragments"]
+    versions = [state["version"] for state in fragments]
+    return Restored(snapshot["layout"], fingerprint, fragments, _updates(store, versions))
+
+
+def _updates(store: StateStore, versions: list[int]) -> Iterator[LogRecord]:
+    """The log's records that follow the snapshot's `versions`, one in memory at a time."""
+    replayed = 0
+    for record in store.replay():
+        replayed += 1
+        fid = record.fragment_id
+        if not 0 <= fid < len(versions):
+            raise NotFound(f"fragment {fid} does not exist")
+        if record.version <= versions[fid]:
+            continue  # a crash between snapshot and log reset: already in the snapshot
+        if record.version != versions[fid] + 1:
+            raise RuntimeError(
+                f"{store.log_path}: record for fragment {fid} version "
+                f"{record.version} does not follow version {versions[fid]}"
+            )
+        yield record
+        versions[fid] += 1
+    log.info("restored from %s: versions %s (replayed %d records)", store.dir, versions, replayed)
 
 
 class StateStore:
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, read_only: bool = False) -> None:
+        """`read_only`: never write (no dir made, a torn log tail left in place), so that a
+        reader cannot cut a record a running server is still appending."""
         self.dir = Path(state_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
+        if not read_only:
+            self.dir.mkdir(parents=True, exist_ok=True)
         self.snapshot_path = self.dir / "snapshot.pt"
         self.log_path = self.dir / "updates.log"
         self._log = None
@@ -218,6 +232,8 @@ class StateStore:
                 size - valid_bytes,
                 count,
             )
+            if self.read_only:
+                return
             with open(self.log_path, "r+b") as f:
                 f.truncate(valid_bytes)
                 os.fsync(f.fileno())

@@ -3,7 +3,8 @@
 Grace window (quorum): once `min_contributors` have pushed, a round waits `grace_steps` times
 the median inner-step time the live learners report, clamped to [grace_min_s, grace_max_s]:
 long enough for a learner a few steps behind to make it, short enough that a stalled one
-costs little.
+costs little. In that median each learner's report counts at most 10 times the median of
+the others' (STEP_TIME_CAP_RATIO), so one learner's report cannot stretch it.
 
 Weights (Decoupled DiLoCo): `tokens_squared_per_step` gives w = tokens·tokens/steps, so a
 learner that got through more data per step counts more; `tokens` gives w = tokens; `equal`
@@ -41,16 +42,37 @@ def grace_window_s(
     step_times_s: Iterable[float], grace_steps: float, min_s: float, max_s: float
 ) -> float:
     """`grace_steps` median inner steps of the live learners, clamped; min_s without reports."""
-    reported = [t for t in step_times_s if t > 0]
-    if not reported:
+    median = median_step_time_s(step_times_s)
+    if median <= 0:
         return min_s
-    return min(max(grace_steps * statistics.median(reported), min_s), max_s)
+    return min(max(grace_steps * median, min_s), max_s)
 
 
 def median_step_time_s(step_times_s: Iterable[float]) -> float:
-    """The median reported inner-step time; 0 when nobody reported one."""
-    reported = [t for t in step_times_s if t > 0]
-    return statistics.median(reported) if reported else 0.0
+    """The median reported inner-step time, each report first capped at STEP_TIME_CAP_RATIO
+    times the median of the others': one learner cannot drag the median that every learner
+    paces to (with three or more, it cannot move it past the honest ones). 0 when nobody
+    reported one."""
+    reported = sorted(t for t in step_times_s if t > 0)
+    if len(reported) < 2:
+        return reported[0] if reported else 0.0
+    capped = [
+        min(t, STEP_TIME_CAP_RATIO * _median_without(reported, i)) for i, t in enumerate(reported)
+    ]
+    return statistics.median(capped)
+
+
+def _median_without(ordered: list[float], skip: int) -> float:
+    """The median of the sorted list `ordered` without its element `skip`, in O(1)."""
+    n = len(ordered) - 1
+
+    def at(k: int) -> float:  # the k-th of the others
+        return ordered[k if k < skip else k + 1]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+STEP_TIME_CAP_RATIO = 10.0
 
 
 def estimated_schedule_step(

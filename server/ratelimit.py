@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import grpc
 
-from common.rpc import LEARNER_ID_HEADER, RETRY_AFTER_HEADER, SERVICE_NAME
-from server.auth import replace_behavior
+from common.rpc import LEARNER_ID_HEADER, RETRY_AFTER_HEADER
+from server.auth import HEALTH_METHOD_PREFIX, replace_behavior
 
 MAX_TRACKED_CALLERS = 10_000
 
@@ -64,7 +64,7 @@ class TokenBuckets:
 
 
 class RateLimit(grpc.ServerInterceptor):
-    """Refuses Aggregator calls above each learner's budget; counts refusals by method."""
+    """Refuses calls above each learner's budget (health checks exempt); counts refusals."""
 
     def __init__(self, calls_per_s: float, burst: int) -> None:
         self.buckets = TokenBuckets(calls_per_s, burst)
@@ -78,7 +78,7 @@ class RateLimit(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable, handler_call_details):
         handler = continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
+        if handler is None or method.startswith(HEALTH_METHOD_PREFIX):
             return handler
         caller = dict(handler_call_details.invocation_metadata).get(LEARNER_ID_HEADER, "")
         name = method.rsplit("/", 1)[-1]

@@ -12,12 +12,17 @@
 - `Async`: every push closes its own round, with Delayed Nesterov, whose momentum period
   follows the number of live learners unless async_momentum_every fixes it.
 
+In every mode a round does not wait for a learner whose push the norm guard refused (it is
+excused); a round with no accepted push whose live learners are all excused ends without an
+outer step: the version stays, the excuses are forgotten, and the next pushes start it again.
+
 The Aggregator picks its policy once, from the mode, and no other code looks at the mode. The
 formulas (weights, grace window, staleness discount) are server/policy.py's.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
 from typing import cast
 
@@ -29,6 +34,8 @@ from server.fragment import FragmentState, Round, RoundSummary
 from server.membership import Session
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s
+
+log = logging.getLogger(__name__)
 
 
 class RoundPolicy:
@@ -92,8 +99,18 @@ class RoundPolicy:
         record: Callable[[list[torch.Tensor], int], None],
     ) -> RoundSummary | None:
         """Close the fragment's round if this mode's rule says so: one outer step, after
-        which `record(mean, outer_setting)` logs it (before_replay takes the setting back)."""
-        if not self.ready(fragment.round, live):
+        which `record(mean, outer_setting)` logs it (before_replay takes the setting back).
+        A round every live learner was refused from ends with no step (None)."""
+        rnd = fragment.round
+        if rnd.delta_sum is None and rnd.excused and _everyone(rnd, live):
+            log.info(
+                "fragment=%d round ended without an accepted push; version stays %d",
+                fragment.fragment_id,
+                fragment.version,
+            )
+            fragment.round = Round()
+            return None
+        if not self.ready(rnd, live):
             return None
         setting = self.before_close(fragment, len(live))
         weight = self.expected_weight(fragment.round, live)
@@ -206,7 +223,8 @@ def round_policy(
 
 
 def _everyone(rnd: Round, live: Collection[Session]) -> bool:
-    return {s.learner_id for s in live} <= rnd.contributors
+    """Every live learner pushed to the round or was excused from it."""
+    return {s.learner_id for s in live} <= rnd.contributors | rnd.excused
 
 
 def _refuse_retry(fragment: FragmentState, learner_id: str, base_version: int) -> None:

@@ -92,6 +92,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # Two per core: one push can be received while another is decoded.
         self._ingest = IngestSlots(ingest_slots or 2 * (os.cpu_count() or 1))
         self._push_results_lock = threading.Lock()
+        # Long-polls waiting now (for metrics): a client that goes away ends its wait.
+        self._waiting_pulls = 0
+        self._waiting_lock = threading.Lock()
 
     def count_push(self, result: str) -> None:
         with self._push_results_lock:
@@ -100,6 +103,31 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def push_result_counts(self) -> dict[str, int]:
         with self._push_results_lock:
             return dict(self.push_results)
+
+    def waiting_pulls(self) -> int:
+        """PullParams calls blocked now waiting for a version."""
+        with self._waiting_lock:
+            return self._waiting_pulls
+
+    def _wait_for_version(self, request: pb.PullParamsRequest, context) -> None:
+        """Long-poll for the asked version; returns early when the client goes away (cancels,
+        disconnects or reaches its deadline), so that the worker thread is freed at once."""
+        asked = request.wait_timeout_s
+        wait_s = min(max(asked, 0.0), MAX_PULL_WAIT_S) if math.isfinite(asked) else 0.0
+        with self._waiting_lock:
+            self._waiting_pulls += 1
+        try:
+            # The callback wakes the waiters when the call ends; False: it has ended already.
+            if context.add_callback(self.aggregator.wake):
+                self.aggregator.wait_for_version(
+                    request.fragment_id,
+                    request.wait_for_version,
+                    wait_s,
+                    gone=lambda: not context.is_active(),
+                )
+        finally:
+            with self._waiting_lock:
+                self._waiting_pulls -= 1
 
     def _check_caller(self, session_id: str = "", learner_id: str = "") -> None:
         """With authentication on, a learner may act only as itself (server/auth.py)."""
@@ -184,9 +212,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # learner's reported progress (step, tokens, loss) with defaults.
         agg.session_learner(request.session_id)
         if request.wait_for_version > agg.version(fid):
-            asked = request.wait_timeout_s
-            wait_s = min(max(asked, 0.0), MAX_PULL_WAIT_S) if math.isfinite(asked) else 0.0
-            agg.wait_for_version(fid, request.wait_for_version, wait_s)
+            self._wait_for_version(request, context)
+            if not context.is_active():
+                return iter(())  # nobody to answer
         result = agg.pull(request.session_id, fid, request.have_version)
         header = pb.PullHeader(
             fragment_id=fid,

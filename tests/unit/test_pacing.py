@@ -190,3 +190,9 @@ def test_slowdown_idles_in_proportion_but_does_not_stretch_a_pause() -> None:
     # A step that held a 1-second pause (SIGSTOP) idles as for 3 usual steps, not 8 s.
     assert slow.idle_s(1.05) == pytest.approx(7 * 3 * 0.05)
     assert Slowdown(1.0).idle_s(0.5) == 0.0
+
+
+def test_one_learners_step_time_counts_at_most_ten_times_the_others() -> None:
+    assert median_step_time_s([0.1, 3000.0]) == pytest.approx(0.55)  # 3000 counts as 1.0
+    assert median_step_time_s([0.1, 0.12, 3000.0]) == pytest.approx(0.12)
+    assert median_step_time_s([0.1, 0.2, 0.3, 0.4]) == pytest.approx(0.25)  # honest: as is

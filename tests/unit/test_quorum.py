@@ -209,7 +209,7 @@ def test_an_exploding_push_is_refused_and_does_not_stall_the_round() -> None:
     with pytest.raises(FailedPrecondition, match=r"50\.0x the recent median"):
         push(agg, b, 4, 50.0)  # norm 100 = 50x the median
     assert agg.version(0) == 4 and torch.equal(agg.params(0)[0], before)  # untouched
-    push(agg, a, 4, 1.0)  # the round closes with a's push alone: b took part with nothing
+    push(agg, a, 4, 1.0)  # the round closes with a's push alone: b was excused
     assert agg.version(0) == 5 and torch.equal(agg.params(0)[0], before - 1.0)
     push(agg, b, 5, 5.0)  # 5x the median: within the bound, accepted
     push(agg, a, 5, 1.0)

@@ -8,9 +8,10 @@ checked after every call:
 - a refusal carries one of REFUSALS; while every earlier call of the case was refused (so the
   world is still as built), a `mutated_push` gets exactly the status its defect names;
 - a refused call leaves the aggregator's state bit-identical (state_digest). One refusal has a
-  designed side effect (Aggregator.push): a push refused by the norm guard records its learner
-  as having taken part in the round with nothing, so a sync round does not wait for it; for
-  those the digest must differ by exactly that bookkeeping and nothing else;
+  designed side effect (Aggregator.push): a push refused by the norm guard excuses its learner
+  from the round, so the round does not wait for it (and a round in which every live learner
+  was refused ends without a step); for those the digest must differ by exactly that
+  bookkeeping and nothing else;
 - an accepted call leaves parameters, momentum, residual and round sums finite;
 - afterwards the good learner's pushes are accepted and its pull returns the fragment.
 
@@ -208,15 +209,17 @@ def _norm_refusal(outcome: Outcome) -> bool:
 
 
 def _after_norm_refusal(world: World, call: Call, before: dict) -> dict:
-    """The designed bookkeeping of a norm-guard refusal: the learner took part with nothing."""
+    """The designed bookkeeping of a norm-guard refusal: the learner is excused from the
+    round; a round with no accepted push that then waits for no one ends, excuses and all."""
     header = call.request[0].header
     learner = next(lid for lid, sid in world.sessions.items() if sid == header.session_id)
     expected = copy.deepcopy(before)
     fragment = expected["fragments"][header.fragment_id]
-    fragment["contributors"] = tuple(sorted({*fragment["contributors"], learner}))
-    bases = dict(fragment["last_push_base"])
-    bases[learner] = header.base_version
-    fragment["last_push_base"] = tuple(sorted(bases.items()))
+    excused = {*fragment["excused"], learner}
+    live = set(world.aggregator.live_learners())
+    if not fragment["contributors"] and live <= excused:
+        excused = set()
+    fragment["excused"] = tuple(sorted(excused))
     return expected
 
 

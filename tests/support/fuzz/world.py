@@ -128,6 +128,9 @@ class FakeContext:
     def is_active(self) -> bool:
         return True
 
+    def add_callback(self, callback) -> bool:
+        return True  # a direct call never ends from outside
+
     def invocation_metadata(self) -> tuple:
         return ()
 
@@ -317,6 +320,7 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
                     }
                 ),
                 "contributors": tuple(sorted(rnd.contributors)),
+                "excused": tuple(sorted(rnd.excused)),
             }
         sessions = {
             s.session_id: _bits((s.learner_id, s.step, s.tokens, s.loss, s.step_time_s))
