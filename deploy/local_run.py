@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -82,30 +83,23 @@ def main() -> int:
 
 
 def report(summaries: list[dict], min_loss_drop: float) -> int:
-    """Print a line per learner, then judge the global model, not each learner's own drop.
-
-    A learner evaluates the global parameters when it joins and after each outer step. The
-    first to join sees the initial parameters, one that joins later an already trained model,
-    so the highest first loss is the initial model's, and a late joiner's own drop is small
-    however well the run trains. The final model is judged by the highest last loss: every
-    learner's last view of the global parameters must sit min_loss_drop below the initial one.
-    """
+    """Print a line per learner, then judge the global model. Each learner first evaluates the
+    global parameters it joined with: the first to join the initial ones, a later one a trained
+    model (so its own drop is small). Initial loss: the highest first one; final: the highest
+    last one, so every learner's last view of the global model must have fallen enough."""
     print("\nlearner     outer  tokens      sent MB  recv MB  eval loss first -> last")
     for s in summaries:
-        losses = s["eval_losses"] or [float("nan")]  # nan: it stopped before evaluating
+        losses = s["eval_losses"] or [math.nan]  # nan: it stopped before evaluating
         print(
             f"{s['learner_id']:<11} {s['outer_steps']:>5}  {s['tokens']:>10,}  "
             f"{s['bytes_sent'] / 1e6:>7.2f}  {s['bytes_received'] / 1e6:>7.2f}  "
             f"{losses[0]:.3f} -> {losses[-1]:.3f}"
         )
     evaluated = [s["eval_losses"] for s in summaries if s["eval_losses"]]
-    if not evaluated:
-        print("FAILED: no learner evaluated the global model", file=sys.stderr)
-        return 1
-    initial = max(losses[0] for losses in evaluated)
-    final = max(losses[-1] for losses in evaluated)
+    initial = max((losses[0] for losses in evaluated), default=math.nan)
+    final = max((losses[-1] for losses in evaluated), default=math.nan)
     print(f"\nglobal model eval loss: {initial:.3f} (initial) -> {final:.3f} (final)")
-    if final < initial - min_loss_drop:
+    if final < initial - min_loss_drop:  # never true with nan: no learner evaluated
         return 0
     print(f"FAILED: the global model's eval loss did not fall by {min_loss_drop}", file=sys.stderr)
     return 1
