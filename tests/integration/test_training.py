@@ -212,7 +212,7 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     b within the grace window (8 steps) of a, 16 of the 80 steps of phase; in ROUNDS_JUDGED
     rounds the control passes through it at most once. The grace window's cap in seconds
     sits far above 8 loaded steps, so that the window stays 8 steps wide on a busy machine.
-    Measured in 8 windows of 16 rounds, idle, beside other tests and beside two CPU-bound
+    Measured in 10 windows of 16 rounds, idle, beside other tests and beside two CPU-bound
     processes: aligned 75-100% full rounds, control 0-19%."""
     h = 80  # P = 2: each fragment is pushed every 80 steps; the grace window is 8 steps
     # lease_s / 3 is the heartbeat interval, and each heartbeat brings one steering correction.
