@@ -111,25 +111,41 @@ def _refuse(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandle
 
 
 def _as_learner(handler: grpc.RpcMethodHandler, learner_id: str) -> grpc.RpcMethodHandler:
+    def enter(context) -> Callable[[], None]:
+        token = _authenticated.set(learner_id)
+
+        def leave() -> None:
+            with contextlib.suppress(ValueError):  # a stream closed from another context
+                _authenticated.reset(token)
+
+        return leave
+
+    return around_calls(handler, enter)
+
+
+def around_calls(handler: grpc.RpcMethodHandler, enter: Callable) -> grpc.RpcMethodHandler:
+    """The same handler with `enter(context)` run as each call starts and the function it
+    returns run as the call ends (a streamed answer's end included), for interceptors that
+    hold something for the length of a call."""
+
     def wrap(behavior):
         if handler.response_streaming:
 
             def streaming(request, context):
-                token = _authenticated.set(learner_id)
+                leave = enter(context)
                 try:
                     yield from behavior(request, context)
                 finally:
-                    with contextlib.suppress(ValueError):  # closed from another context
-                        _authenticated.reset(token)
+                    leave()
 
             return streaming
 
         def unary(request_or_iterator, context):
-            token = _authenticated.set(learner_id)
+            leave = enter(context)
             try:
                 return behavior(request_or_iterator, context)
             finally:
-                _authenticated.reset(token)
+                leave()
 
         return unary
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import grpc
 
 from common.rpc import LEARNER_ID_HEADER, RETRY_AFTER_HEADER
-from server.auth import HEALTH_METHOD_PREFIX, authenticated_learner, replace_behavior
+from server.auth import HEALTH_METHOD_PREFIX, around_calls, authenticated_learner
 
 # A refused caller is told to retry after this long: open calls end within seconds, except
 # long-polls, which end when their version arrives.
@@ -93,25 +93,4 @@ class InFlightLimit(grpc.ServerInterceptor):
                 release()
             return release
 
-        def wrap(behavior):
-            if handler.response_streaming:
-
-                def streaming(request, context):
-                    release = admit(context)
-                    try:
-                        yield from behavior(request, context)
-                    finally:
-                        release()
-
-                return streaming
-
-            def unary(request_or_iterator, context):
-                release = admit(context)
-                try:
-                    return behavior(request_or_iterator, context)
-                finally:
-                    release()
-
-            return unary
-
-        return replace_behavior(handler, wrap)
+        return around_calls(handler, admit)
