@@ -81,6 +81,10 @@ class Result:
     eval_loss: float
     curve: list[tuple[int, float]] = field(default_factory=list)  # (total tokens, eval loss)
     bytes_per_learner: int = 0  # sent + received, one learner, whole run
+    push_bytes: int = 0  # of those, sent (the learner that moved the most)
+    pull_bytes: int = 0  # and received
+    syncs: int = 0  # full-parameter syncs of one learner (fragment syncs / P; DP: steps)
+    numel: int = 0  # parameters of the model
     peak_sync_bytes: int = 0  # the most one learner moves in one sync event
     blocked_s: float = 0.0
     wall_s: float = 0.0
@@ -192,7 +196,17 @@ def _run_data_parallel(setup, variant, model, train, eval_batches, steps=None) -
     numel = sum(p.numel() for p in model.parameters())
     # Ring all-reduce of fp32 gradients: each learner sends and receives 2(K-1)/K of them.
     per_step = 2 * (2 * (k - 1) / k) * numel * 4
-    return Result(asdict(variant), curve[-1][1], curve, int(per_step * steps), int(per_step))
+    return Result(
+        asdict(variant),
+        curve[-1][1],
+        curve,
+        int(per_step * steps),
+        push_bytes=int(per_step * steps / 2),
+        pull_bytes=int(per_step * steps / 2),
+        syncs=steps,
+        numel=numel,
+        peak_sync_bytes=int(per_step),
+    )
 
 
 def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
@@ -280,12 +294,16 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
     final = global_loss()
     curve[-1] = (curve[-1][0], final)
     stats = [sync.stats for *_, sync in learners]
+    most = max(stats, key=lambda s: s.push_bytes + s.pull_bytes)
     return Result(
         asdict(variant),
         final,
         curve,
-        bytes_per_learner=max(s.push_bytes + s.pull_bytes for s in stats)
-        + warm_cost.bytes_per_learner,
+        bytes_per_learner=most.push_bytes + most.pull_bytes + warm_cost.bytes_per_learner,
+        push_bytes=most.push_bytes,
+        pull_bytes=most.pull_bytes,
+        syncs=most.syncs // variant.fragments,
+        numel=sum(p.numel() for p in model.parameters()),
         peak_sync_bytes=max([s.peak_sync_bytes for s in stats] + [warm_cost.peak_sync_bytes]),
         blocked_s=max(s.blocked_s for s in stats),
     )
