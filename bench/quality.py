@@ -56,7 +56,7 @@ def summarize(results: dict[Row, object], rows: list[Row]) -> list[dict]:
         loss, loss_std = mean_std(losses)
         gap, gap_std = mean_std(gaps)
         run = runs[0]
-        bits = 8 / (run.numel * run.syncs)
+        per_sync = run.numel * run.syncs  # parameters sent (or received) in full syncs
         out.append(
             {
                 "name": method,
@@ -71,8 +71,8 @@ def summarize(results: dict[Row, object], rows: list[Row]) -> list[dict]:
                 "eval_losses": losses,
                 "gap_vs_dp": gap,
                 "gap_std": gap_std,
-                "bits_per_param_push": run.push_bytes * bits,
-                "bits_per_param_pull": run.pull_bytes * bits,
+                "bits_per_param_push": 8 * run.push_bytes / per_sync,
+                "bits_per_param_pull": 8 * run.pull_bytes / per_sync,
                 "bytes_per_learner": run.bytes_per_learner,
                 "bytes_ratio_vs_dp": dp[first.seed].bytes_per_learner / run.bytes_per_learner,
                 "peak_sync_bytes": run.peak_sync_bytes,
@@ -173,6 +173,13 @@ def main() -> int:
     parser.add_argument(
         "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
     )
+    parser.add_argument(
+        "--lr-schedule",
+        choices=["cosine", "constant"],
+        default="constant",
+        help="inner learning rate over the run, the same for every row: constant, or "
+        "cosine (5%% linear warm-up, cosine decay to 10%%)",
+    )
     args = parser.parse_args()
     steps = 150 if args.quick else 1000
     rows = [
@@ -185,7 +192,7 @@ def main() -> int:
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = None if args.fresh or args.quick else args.out / "quality_runs.json"
-    setup_kw = {"n_embd": args.n_embd, "device": args.device}
+    setup_kw = {"n_embd": args.n_embd, "device": args.device, "lr_schedule": args.lr_schedule}
     results = run_rows(rows, cache, args.workers, quick=args.quick, **setup_kw)
     entries = summarize(results, rows)
     print_table(entries)

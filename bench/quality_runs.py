@@ -45,8 +45,9 @@ class Row:
         k = f" top-k {self.topk:g}" if self.topk else ""
         return f"{self.codec}{k} H={self.h} lr {self.lr:g}"
 
-    def setup(self, quick: bool = False, n_embd: int = 64, device: str = "cpu") -> Setup:
-        common = {"inner_lr": self.lr, "seed": self.seed, "n_embd": n_embd, "device": device}
+    def setup(self, quick: bool = False, **kw) -> Setup:
+        """The run's Setup; `kw` sets more of its fields (n_embd, device, lr_schedule)."""
+        common = {"inner_lr": self.lr, "seed": self.seed, **kw}
         if quick:
             return Setup(steps=self.steps, eval_every=50, eval_batches=8, **common)
         return Setup(steps=self.steps, **common)
@@ -90,20 +91,27 @@ def run_rows(
         else:
             todo.append(row)
     print(f"{len(rows)} runs: {len(rows) - len(todo)} cached, {len(todo)} to train", flush=True)
-    threads = max(1, 2 // workers)
+
+    def finish(row: Row, result: Result) -> None:
+        out[row] = result
+        print(
+            f"  done: {row.method} seed {row.seed} steps {row.steps}: "
+            f"eval_loss={result.eval_loss:.4f} ({result.wall_s:.0f} s)",
+            flush=True,
+        )
+        if cache:
+            save(cache, cache_key(*jobs[row]), asdict(result))
+
+    # One torch thread per run either way: the thread count can move the last bits.
+    if workers <= 1:  # one at a time, in this process
+        for row in todo:
+            finish(row, run_variant(*jobs[row], 1))
+        return out
     ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=max(1, workers), mp_context=ctx) as pool:
-        futures = {row: pool.submit(run_variant, *jobs[row], threads) for row in todo}
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = {row: pool.submit(run_variant, *jobs[row], 1) for row in todo}
         for row, future in futures.items():
-            result = future.result()
-            out[row] = result
-            print(
-                f"  done: {row.method} seed {row.seed} steps {row.steps}: "
-                f"eval_loss={result.eval_loss:.4f} ({result.wall_s:.0f} s)",
-                flush=True,
-            )
-            if cache:
-                save(cache, cache_key(*jobs[row]), asdict(result))
+            finish(row, future.result())
     return out
 
 
