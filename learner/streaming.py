@@ -187,7 +187,7 @@ class StreamingSync:
         self.push_sparse_k = topk_k(push_topk_fraction)
         # Sparse pushes: per fragment, what earlier pushes left out (error feedback). Held
         # for the learner's life; a restarted learner starts again from zeros.
-        self._residuals: dict[int, list[torch.Tensor]] = {}
+        self.push_residuals: dict[int, list[torch.Tensor]] = {}
         self.merge_alpha = merge_alpha
         self.tokens_per_step = tokens_per_step
         self.blocking = blocking
@@ -236,9 +236,9 @@ class StreamingSync:
         """The push's payload; a sparse codec sends deltas + residual and keeps the rest."""
         if codec_id(self.push_codec) not in SPARSE_CODECS:
             return encode_fragment(deltas, self.push_codec)
-        if fragment not in self._residuals:
-            self._residuals[fragment] = [torch.zeros_like(d) for d in deltas]
-        residuals = self._residuals[fragment]
+        if fragment not in self.push_residuals:
+            self.push_residuals[fragment] = [torch.zeros_like(d) for d in deltas]
+        residuals = self.push_residuals[fragment]
         return fragment_with_feedback(deltas, self.push_codec, self.push_sparse_k, residuals)
 
     def merge_phase(self, step: int) -> list[int]:
