@@ -23,16 +23,25 @@ from common.fragment_wire import (
     parse_fragment,
     parse_updates,
 )
+from common.sparse import DEFAULT_TOPK_FRACTION, fragment_with_feedback, topk_k
+from common.sparse_wire import SPARSE_CODECS
 
 CHUNK_BYTES = 1 << 20
+DEFAULT_SPARSE_K = topk_k(DEFAULT_TOPK_FRACTION)
 # Per-tensor protobuf framing (tags, lengths, codec, shape, crc) stays far below this.
 _FRAMING_BYTES_PER_TENSOR = 64
 
 
-def encode_fragment(tensors: Sequence[torch.Tensor], codec: str | int) -> bytes:
-    """Serialize the tensors of one fragment with `codec`; raises ValueError on non-finite
-    values."""
+def encode_fragment(
+    tensors: Sequence[torch.Tensor], codec: str | int, sparse_k: int = DEFAULT_SPARSE_K
+) -> bytes:
+    """Serialize the tensors of one fragment with `codec` (a sparse one keeping `sparse_k`
+    values per chunk, without error feedback: common.sparse.fragment_with_feedback keeps the
+    residual); raises ValueError on non-finite values."""
     codec = codec_id(codec) if isinstance(codec, str) else codec
+    if codec in SPARSE_CODECS:
+        residuals = [torch.zeros(t.shape, device=t.device) for t in tensors]
+        return fragment_with_feedback(tensors, codec, sparse_k, residuals)
     encoded = [(codec, t.shape, *encode_values(t, codec)) for t in tensors]
     return b"".join(fragment_parts(encoded))
 
