@@ -20,7 +20,12 @@ from pathlib import Path
 from bench.simulate import Result, Setup, Variant, run_variant
 
 # The wire codec names the rows use, and the common/codec.py codecs they send each way.
-WIRE = {"fp32": "fp32", "fp4": "fp4_e2m1"}
+WIRE = {
+    "fp32": "fp32",
+    "fp4": "fp4_e2m1",
+    "sparse-2bit": "sparse_2bit",
+    "sparse-fp4": "sparse_fp4",
+}
 WARMUP_ROUNDS = 20  # outer momentum warm-up (docs/RESULTS.md, "The outer momentum warm-up")
 MERGE_ALPHA = 0.05  # Streaming's merge weight of the local fragment (docs/RESULTS.md)
 FRAGMENTS = 4
@@ -42,7 +47,7 @@ class Row:
         """The row without its seed: what the seeds of one table row share."""
         if self.codec == "dp":
             return f"data-parallel lr {self.lr:g}"
-        k = f" top-k {self.topk:g}" if self.topk else ""
+        k = f" top-k 1/{1 / self.topk:g}" if self.topk else ""
         return f"{self.codec}{k} H={self.h} lr {self.lr:g}"
 
     def setup(self, quick: bool = False, **kw) -> Setup:
@@ -66,13 +71,17 @@ class Row:
             push_codec=WIRE[self.codec],
             pull_codec=WIRE[self.codec],
             outer_momentum_warmup_rounds=WARMUP_ROUNDS,
+            topk_fraction=self.topk,
         )
 
 
 def cache_key(setup: Setup, variant: Variant) -> str:
-    return json.dumps(
-        {"setup": asdict(setup), "variant": {**asdict(variant), "name": ""}}, sort_keys=True
-    )
+    """The run's identity: every setting but the name (a dense row's unset top-k left out,
+    so that its key does not depend on a setting it never uses)."""
+    fields = {**asdict(variant), "name": ""}
+    if not variant.topk_fraction:
+        del fields["topk_fraction"]
+    return json.dumps({"setup": asdict(setup), "variant": fields}, sort_keys=True)
 
 
 def run_rows(

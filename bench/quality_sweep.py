@@ -47,7 +47,7 @@ def trend_rows(args: argparse.Namespace) -> list[Row]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["lr", "trend"])
-    parser.add_argument("--dp-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
+    parser.add_argument("--dp-lrs", type=float, nargs="*", default=[1e-3, 2e-3, 4e-3])
     parser.add_argument("--inner-lrs", type=float, nargs="*", default=[1e-3, 2e-3, 4e-3])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="lr: seeds of each")
     parser.add_argument("--codec", default="fp4", help="lr: the DiLoCo row's codec")
@@ -77,14 +77,16 @@ def main() -> int:
                 if d.codec == "dp" and (d.steps, d.seed) == (row.steps, row.seed)
             ),
             key=lambda d: d.eval_loss,
-        )  # the best data-parallel run of the same seed and step count
+            default=None,
+        )  # the best data-parallel run of the same seed and step count (if any)
         table.append(
             {
                 "name": row.method,
+                "seed": row.seed,
                 "steps": row.steps,
                 "eval_loss": r.eval_loss,
-                "gap_vs_dp": r.eval_loss / dp.eval_loss - 1,
-                "bytes_ratio_vs_dp": dp.bytes_per_learner / r.bytes_per_learner,
+                "gap_vs_dp": r.eval_loss / dp.eval_loss - 1 if dp else None,
+                "bytes_ratio_vs_dp": dp.bytes_per_learner / r.bytes_per_learner if dp else None,
                 "wall_s": r.wall_s,
             }
         )
@@ -98,7 +100,12 @@ def main() -> int:
             print(f"best {kind}: lr {best.lr:g} (eval loss {results[best].eval_loss:.4f})")
     path = args.out / "quality_sweep.json"
     report = json.loads(path.read_text()) if path.exists() else {}
-    report[args.what] = {"rows": table, "wall_s": time.perf_counter() - started}
+    # Sweeps of other rows add to the table: a row is its name, seed and step count.
+    kept = {
+        (r["name"], r["seed"], r["steps"]): r for r in report.get(args.what, {}).get("rows", [])
+    }
+    kept.update({(r["name"], r["seed"], r["steps"]): r for r in table})
+    report[args.what] = {"rows": list(kept.values())}
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
     return 0

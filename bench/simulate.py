@@ -68,6 +68,7 @@ class Variant:
     merge_alpha: float = 0.0
     push_codec: str = "fp32"
     pull_codec: str = "fp32"
+    topk_fraction: float = 0.0  # sparse codecs, both ways (0: the codec's default)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)
@@ -225,6 +226,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             lease_s=1e9,
             fragments=variant.fragments,
             pull_codec=variant.pull_codec,
+            **({"pull_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
             outer_lr=variant.outer_lr,
             outer_momentum=variant.outer_momentum,
             outer_momentum_warmup_rounds=variant.outer_momentum_warmup_rounds,
@@ -261,6 +263,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             variant.push_codec,
             variant.merge_alpha,
             tokens_per_step=setup.batch_size * setup.block_size,
+            **({"push_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
         )
         sync.load_globals()
         sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=data_seed(setup) + i)

@@ -17,6 +17,13 @@ def test_a_row_is_a_codec_name_h_and_learning_rate() -> None:
     assert (fp4.merge_alpha, fp4.outer_momentum_warmup_rounds, fp4.fragments) == (0.05, 20, 4)
     assert Row("fp4", h=20, lr=2e-3, seed=3).setup().inner_lr == 2e-3
     assert Row("dp", lr=4e-3).variant().kind == "dp"
+    sparse = Row("sparse-2bit", h=20, topk=1 / 64)
+    assert (sparse.variant().push_codec, sparse.variant().topk_fraction) == ("sparse_2bit", 1 / 64)
+    assert sparse.method == "sparse-2bit top-k 1/64 H=20 lr 0.001"
+    dense, other = Row("fp4", h=20), Row("fp4", h=50)
+    key = quality_runs.cache_key(dense.setup(), dense.variant())
+    assert "topk_fraction" not in key  # a dense row's key leaves out the setting it never uses
+    assert key != quality_runs.cache_key(other.setup(), other.variant())
     with pytest.raises(ValueError, match="unknown codec 'fp3'"):
         Row("fp3", h=20).variant()
 
