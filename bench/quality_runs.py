@@ -105,7 +105,7 @@ def run_rows(
         out[row] = result
         print(
             f"  done: {row.method} seed {row.seed} steps {row.steps}: "
-            f"eval_loss={result.eval_loss:.4f} ({result.wall_s:.0f} s)",
+            f"eval_loss={result.eval_loss:.4f} ({result.wall_s:.0f} s, CPU {result.cpu_s:.0f} s)",
             flush=True,
         )
         if cache:

@@ -88,6 +88,7 @@ def main() -> int:
                 "gap_vs_dp": r.eval_loss / dp.eval_loss - 1 if dp else None,
                 "bytes_ratio_vs_dp": dp.bytes_per_learner / r.bytes_per_learner if dp else None,
                 "wall_s": r.wall_s,
+                "cpu_s": r.cpu_s,
             }
         )
         print(f"{row.method:<34} {row.steps:>5} steps  {r.eval_loss:.4f}", flush=True)

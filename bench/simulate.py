@@ -89,6 +89,7 @@ class Result:
     peak_sync_bytes: int = 0  # the most one learner moves in one sync event
     blocked_s: float = 0.0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time for the run (wall_s grows with the load)
 
 
 class InProcessTransport:
@@ -124,7 +125,7 @@ def load_data(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
     torch.set_num_threads(threads)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     train, val = load_data(setup)
     eval_set = BatchSampler(val, setup.batch_size, setup.block_size, seed=1234)
     eval_batches = [eval_set.next() for _ in range(setup.eval_batches)]
@@ -135,6 +136,7 @@ def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
     else:
         result = _run_diloco(setup, variant, model, train, eval_batches)
     result.wall_s = time.perf_counter() - started
+    result.cpu_s = time.process_time() - cpu_started
     return result
 
 
