@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 
 import pytest
@@ -90,3 +91,27 @@ def test_checks_name_the_best_ratio_and_judge_sparse_against_fp4() -> None:
     assert "FAIL  >= 1000x fewer bytes than tuned DP at mean gap <= 1%" in lines
     assert any(x.startswith("PASS  sparse-2bit H=20: 10.0x fewer bytes") for x in lines)
     assert any(x.startswith("FAIL  sparse-fp4 H=20: 4.4x fewer bytes") for x in lines)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_benchmark_writes_every_row_over_its_seeds(tmp_path, monkeypatch, quick) -> None:
+    def train(setup, variant, threads):
+        dp = variant.kind == "dp"
+        return fake_result(1.5 + 0.01 * setup.seed + (0 if dp else 0.02), 600, 400)
+
+    monkeypatch.setattr(quality_runs, "run_variant", train)
+    argv = ["quality.py", "--workers", "1", "--out", str(tmp_path), "--seeds", "0", "1", "2"]
+    monkeypatch.setattr("sys.argv", argv + (["--quick"] if quick else []))
+    assert quality.main() == 0
+    report = json.loads(
+        (tmp_path / ("quality_quick.json" if quick else "quality.json")).read_text()
+    )
+    rows = quality.QUICK if quick else quality.HEADLINE
+    assert len(report["variants"]) == 1 + len(rows) and report["dp_lr"] == quality.DP_LR
+    for e in report["variants"]:
+        assert e["seeds"] == [0, 1, 2]
+        for key in ("eval_loss", "gap_vs_dp", "gap_std", "bytes_ratio_vs_dp", "dp_lr"):
+            assert key in e
+        assert e["bits_per_param_push"] > 0 and e["bits_per_param_pull"] > 0
+    assert report["checks"][-1].startswith(("PASS", "FAIL"))
+    assert (tmp_path / "quality_tradeoff.png").exists() != quick
