@@ -5,9 +5,10 @@
     payload = fragment_with_feedback(deltas, "sparse_2bit", k, residuals)
 
 In every chunk of 4096 values the k largest in magnitude are kept (torch.topk; among equal
-magnitudes at the boundary the lowest indices), listed in index order, and quantized: to 2 bits (sign, and the lower or upper of two magnitudes per
-chunk: the kept magnitudes of rank k/4 and 3k/4, rounded to bfloat16), or to E2M1 with one
-E8M0 scale per chunk (common.codec.fp4_block_codes, the fp4 codec's own rounding).
+magnitudes at the boundary the lowest indices), listed in index order, and quantized: to 2
+bits (sign, and the lower or upper of two magnitudes per chunk: the kept magnitudes of rank
+k/4 and 3k/4, rounded to bfloat16), or to E2M1 with one E8M0 scale per chunk
+(common.codec.fp4_block_codes, the fp4 codec's own rounding).
 
 Error feedback (SparseLoCo, arXiv 2508.15706): what a sparse message leaves out is not lost.
 The sender keeps a residual e per tensor, sends S(x + e) and keeps e ← (x + e) − decode(S(x +
