@@ -4,10 +4,11 @@
     enc = encode_sparse(flat, pb.CODEC_SPARSE_2BIT, k)   # indices, codes, scales (uint8)
     payload = fragment_with_feedback(deltas, "sparse_2bit", k, residuals)
 
-In every chunk of 4096 values the k largest in magnitude are kept (torch.topk), listed in
-index order, and quantized: to 2 bits (sign, and the lower or upper of two magnitudes per
-chunk: the kept magnitudes of rank k/4 and 3k/4, rounded to bfloat16), or to E2M1 with one
-E8M0 scale per chunk (common.codec.fp4_block_codes, the fp4 codec's own rounding).
+In every chunk of 4096 values the k largest in magnitude are kept (torch.topk; among equal
+magnitudes at the boundary the lowest indices), listed in index order, and quantized: to 2
+bits (sign, and the lower or upper of two magnitudes per chunk: the kept magnitudes of rank
+k/4 and 3k/4, rounded to bfloat16), or to E2M1 with one E8M0 scale per chunk
+(common.codec.fp4_block_codes, the fp4 codec's own rounding).
 
 Error feedback (SparseLoCo, arXiv 2508.15706): what a sparse message leaves out is not lost.
 The sender keeps a residual e per tensor, sends S(x + e) and keeps e ← (x + e) − decode(S(x +
@@ -87,8 +88,9 @@ def encode_sparse(flat: torch.Tensor, codec: int, k: int) -> SparseEncoding:
         groups.append((full, flat[full * SPARSE_CHUNK :].view(1, tail), k_tail))
     local, codes, scales, chunk_of = [], [], [], []
     for first_chunk, rows, kk in groups:
-        ranked = rows.abs().topk(kk, dim=1)  # magnitudes in descending order
-        idx = ranked.indices.sort(dim=1).values
+        magnitudes = rows.abs()
+        ranked = magnitudes.topk(kk, dim=1)  # magnitudes in descending order
+        idx = _lowest_on_ties(magnitudes, ranked.values[:, -1:], ranked.indices.sort(dim=1).values)
         values = rows.gather(1, idx)
         row_codes, row_scales = _quantize(codec, values, ranked.values)
         local.append(idx.reshape(-1))
@@ -109,6 +111,27 @@ def encode_sparse(flat: torch.Tensor, codec: int, k: int) -> SparseEncoding:
         positions=chunks * SPARSE_CHUNK + local_all,
         values=decode_codes(codec, codes_all, scales_all, chunks),
     )
+
+
+def _lowest_on_ties(
+    magnitudes: torch.Tensor, threshold: torch.Tensor, idx: torch.Tensor
+) -> torch.Tensor:
+    """The kept indices (rows, kk) by the format's rule: the kk largest magnitudes and, among
+    those equal to the smallest kept one, the lowest indices. torch.topk picks among equal
+    values as it likes; rows where it had a choice are redone here, so the bytes do not
+    depend on its implementation (a server replaying its log elsewhere gets the same)."""
+    kk = idx.shape[1]
+    ties = (magnitudes >= threshold).sum(dim=1) != kk
+    if not bool(ties.any()):
+        return idx
+    rows, bound = magnitudes[ties], threshold[ties]
+    above = rows > bound
+    equal = rows == bound
+    room = kk - above.sum(dim=1, keepdim=True)
+    keep = above | (equal & (equal.cumsum(dim=1) <= room))
+    idx = idx.clone()
+    idx[ties] = keep.nonzero()[:, 1].view(-1, kk)  # row-major: ascending within each row
+    return idx
 
 
 def _quantize(

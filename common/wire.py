@@ -17,6 +17,7 @@ from common.checksum import crc32
 from common.codec import codec_id, decode_values, encode_values
 from common.errors import InvalidArgument, ResourceExhausted
 from common.fragment_wire import (
+    WireTensor,
     check_fragment,
     encoded_sizes,
     fragment_parts,
@@ -108,13 +109,15 @@ def apply_updates(params: Sequence[torch.Tensor], data: bytes, have_version: int
 
     Every update is decoded and checked before the first one is applied, so a bad chain
     leaves the replica untouched. The additions are the server's own (θ += decode(update)).
+    Sparse updates are checked whole by the parser and expanded to float32 one at a time as
+    they are added, so a long chain costs its kept entries, not a model copy per update.
     """
     shapes = [tuple(p.shape) for p in params]
-    decoded = [
-        [decode_values(t) for t in check_fragment(update, shapes)]
+    checked = [
+        [t if t.entries is not None else decode_values(t) for t in check_fragment(update, shapes)]
         for update in parse_updates(data, have_version)
     ]
-    for update in decoded:
+    for update in checked:
         for p, q in zip(params, update, strict=True):
-            p.add_(q)
-    return have_version + len(decoded)
+            p.add_(decode_values(q) if isinstance(q, WireTensor) else q)
+    return have_version + len(checked)

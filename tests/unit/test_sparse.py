@@ -173,3 +173,15 @@ def test_a_huge_claimed_shape_is_refused_by_length_without_allocation() -> None:
     payload, scales = valid_parts(pb.CODEC_SPARSE_2BIT)
     with pytest.raises(InvalidArgument, match="needs"):
         check_tensor(forged(pb.CODEC_SPARSE_2BIT, 1 << 40, 1, payload, scales))
+
+
+@pytest.mark.parametrize("codec", SPARSE)
+def test_ties_at_the_boundary_keep_the_lowest_indices(codec: int) -> None:
+    x = torch.zeros(2 * SPARSE_CHUNK)
+    x[100:300] = -0.5  # 200 equal magnitudes compete for the 64 places of chunk 0
+    x[SPARSE_CHUNK + 7] = 2.0  # chunk 1: one value, then 63 of the zeros
+    x[SPARSE_CHUNK + 9 :] = 0.25
+    enc = encode_sparse(x, codec, 64)
+    assert enc.positions[:64].tolist() == list(range(100, 164))
+    chunk1 = [SPARSE_CHUNK + 7, *range(SPARSE_CHUNK + 9, SPARSE_CHUNK + 72)]
+    assert enc.positions[64:].tolist() == chunk1
