@@ -39,8 +39,14 @@ HEADLINE = [("fp4", 20, 0.0), ("sparse-2bit", 20, SPARSE_TOPK), ("sparse-fp4", 2
 QUICK = [("fp4", 10, 0.0), ("sparse-2bit", 10, SPARSE_TOPK)]
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation; None for the deviation of a single value."""
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def pm(value: float, std: float | None, scale: float = 1.0, digits: int = 4) -> str:
+    spread = "n/a" if std is None else f"{scale * std:.{digits}f}"
+    return f"{scale * value:+.{digits}f}±{spread}" if scale != 1 else f"{value:.{digits}f}±{spread}"
 
 
 def summarize(results: dict[Row, object], rows: list[Row]) -> list[dict]:
@@ -93,8 +99,8 @@ def print_table(entries: list[dict]) -> None:
     )
     for e in entries:
         print(
-            f"{e['name']:<26} {len(e['seeds']):>5} {e['eval_loss']:>8.4f}±{e['eval_loss_std']:.4f} "
-            f"{100 * e['gap_vs_dp']:>+8.2f}±{100 * e['gap_std']:.2f}% "
+            f"{e['name']:<26} {len(e['seeds']):>5} {pm(e['eval_loss'], e['eval_loss_std']):>15} "
+            f"{pm(e['gap_vs_dp'], e['gap_std'], 100, 2) + '%':>16} "
             f"{e['bits_per_param_push']:>15.3f} {e['bits_per_param_pull']:>6.3f} "
             f"{e['bytes_ratio_vs_dp']:>9.1f}"
         )
@@ -153,7 +159,7 @@ def plot(entries: list[dict], out_dir: Path) -> None:
     for e in entries:
         if e["codec"] != "dp":
             x, y = e["bytes_ratio_vs_dp"], 100 * e["gap_vs_dp"]
-            ax.errorbar(x, y, yerr=100 * e["gap_std"], fmt="o", capsize=3)
+            ax.errorbar(x, y, yerr=100 * (e["gap_std"] or 0), fmt="o", capsize=3)
             ax.annotate(e["name"], (x, y), fontsize=6)
     ax.axhline(1, color="grey", linewidth=0.5)
     ax.set(

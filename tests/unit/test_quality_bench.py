@@ -65,6 +65,8 @@ def test_rows_report_mean_and_std_of_gaps_against_the_same_seeds_dp() -> None:
     assert fp4["gap_std"] == pytest.approx(0.0707, abs=1e-4)
     assert (fp4["bits_per_param_push"], fp4["bits_per_param_pull"]) == (0.24, 0.16)
     assert fp4["bytes_ratio_vs_dp"] == 1_200_000 / 50
+    _, one = quality.summarize(results, rows[::2])  # seed 0 alone: no deviation to report
+    assert (one["seeds"], one["gap_std"], one["eval_loss_std"]) == ([0], None, None)
 
 
 def entry(codec: str, h: int, gap: float, nbytes: int) -> dict:
