@@ -12,7 +12,7 @@ way, bytes ratio vs data-parallel. Writes bench/results/quality.json, quality.pn
 loss vs tokens, first seed) and quality_tradeoff.png (gap vs bytes ratio). Bytes are payload
 bytes sent plus received by one learner, excluding the one-time initial parameter download
 that every method needs. Prints PASS/FAIL for each target (`checks` in the JSON); never hides
-a FAIL. Finished runs are reused from bench/results/quality_runs.json (--fresh: retrain).
+a FAIL. Finished runs are reused from quality_runs.json in --out (--fresh: retrain).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def main() -> int:
     print(f"{len(rows)} runs of {steps} steps, seeds {args.seeds}", flush=True)
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    cache = None if args.fresh or args.quick else args.out / "quality_runs.json"
+    cache = None if args.fresh else args.out / "quality_runs.json"
     setup_kw = {"n_embd": args.n_embd, "device": args.device, "lr_schedule": args.lr_schedule}
     results = run_rows(rows, cache, args.workers, quick=args.quick, **setup_kw)
     entries = summarize(results, rows)
