@@ -94,7 +94,9 @@ RECIPES = ("best", "paper")
 def outer_recipe(values: Mapping[str, Any]) -> dict[str, Any]:
     """The outer settings of the recipe named in `values` (the dataclass defaults are best,
     less the momentum warm-up in async mode, which has no rounds to warm up over)."""
-    if values.get("recipe") == "paper" or values.get("mode") == "async":
+    if values.get("recipe") == "paper":
+        return {"outer_momentum_warmup_rounds": 0, "pull_codec": "fp4_e3m0"}
+    if values.get("mode") == "async":
         return {"outer_momentum_warmup_rounds": 0}
     return {}
 
@@ -105,8 +107,9 @@ class OuterConfig:
 
     recipe: str = "best"
     """best: the defaults below, the best measured training from scratch (docs/RESULTS.md;
-    async mode: no momentum warm-up); paper: DiLoCo's outer step exactly, no momentum warm-up,
-    for the settings not given (pair it with the learners' --recipe paper)."""
+    async mode: no momentum warm-up); paper: DiLoCo's outer step exactly (no momentum
+    warm-up) and Streaming DiLoCo's fp4_e3m0 pulls, for the settings not given (pair it with
+    the learners' --recipe paper)."""
     outer_lr: float = 0.7
     """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
     outer_momentum: float = 0.9

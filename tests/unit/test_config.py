@@ -255,6 +255,8 @@ def test_the_best_recipe_is_the_default_and_paper_restores_the_papers_settings()
     assert build_config(AggregatorConfig, {"mode": "quorum"}).outer.outer_momentum_warmup_rounds
     for values in ({"recipe": "paper"}, {"mode": "async"}):
         assert build_config(AggregatorConfig, values).outer.outer_momentum_warmup_rounds == 0
+    assert build_config(AggregatorConfig, {"recipe": "paper"}).streaming.pull_codec == "fp4_e3m0"
+    assert build_config(AggregatorConfig, {"mode": "async"}).streaming.pull_codec == "fp4_e2m1"
     given = {"recipe": "paper", "outer_momentum_warmup_rounds": 5}
     assert build_config(ServerConfig, {**given, "insecure": True}).outer.recipe == "paper"
     assert build_config(AggregatorConfig, given).outer.outer_momentum_warmup_rounds == 5
