@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict
 
@@ -117,3 +118,11 @@ def test_the_benchmark_writes_every_row_over_its_seeds(tmp_path, monkeypatch, qu
         assert e["bits_per_param_push"] > 0 and e["bits_per_param_pull"] > 0
     assert report["checks"][-1].startswith(("PASS", "FAIL"))
     assert (tmp_path / "quality_tradeoff.png").exists() != quick
+
+
+def test_rows_are_given_as_codec_h_and_topk() -> None:
+    assert quality.parse_row("sparse-fp4:20:0.015625") == ("sparse-fp4", 20, 0.015625)
+    assert quality.parse_row("fp32:50") == ("fp32", 50, 0.0)
+    for bad, why in [("fp4", "expected codec:H"), ("fp3:20", "unknown codec"), ("fp4:0", "H must")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            quality.parse_row(bad)
