@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -127,6 +128,22 @@ def test_calls_open_per_learner_are_bounded(server) -> None:
     assert registry.get_sample_value(refused, {"method": "PullParams"}) == 1
     for poll in polls:
         poll.cancel()
+
+
+def test_health_checks_answer_while_every_worker_is_held(start_service) -> None:
+    service = start_service(worker_threads=2, lease_s=60.0)
+    with create_channel(f"127.0.0.1:{service.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        session = joined_session(stub, "a", initialize=True)
+        polls = [long_poll(stub, session, "a") for _ in range(2)]
+        registry = service.metrics.registry
+        waiting = "diloco_server_waiting_pulls"
+        wait_until(lambda: registry.get_sample_value(waiting) == 2, 10, "2 workers held")
+        # Bound: on the learners' pool the check would wait for a poll's 60 s.
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=20).status == 1  # SERVING
+        for poll in polls:
+            poll.cancel()
 
 
 def test_a_pull_whose_reader_stops_reading_is_cut(start_service) -> None:
