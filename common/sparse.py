@@ -17,8 +17,10 @@ for its pushes (fragment_with_feedback); the server does it for its pulls, a chu
 time (server/fragment.py), applying exactly the decoded values it sends, so the replicas that
 learners rebuild from the updates are bit-identical to the server's.
 
-Everything is vectorized torch on the tensor's device: topk over a (chunks, 4096) view, then
-a few gathers and shifts per kept entry (bench/perf.py measures it against clone()).
+The selection runs in C on CPU tensors (common/fp4_kernel.c: topk_select, a radix select per
+chunk, bit-identical to the torch path; tests/unit/test_sparse.py checks it) and as torch.topk
+elsewhere; the rest is vectorized torch over the kept entries (bench/perf.py measures the
+encoder against clone()).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import fp4_native
 from common.codec import BF16_MAX, codec_id, fp4_block_codes
 from common.fragment_wire import fragment_parts
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -87,12 +90,12 @@ def encode_sparse(flat: torch.Tensor, codec: int, k: int) -> SparseEncoding:
     if tail:
         groups.append((full, flat[full * SPARSE_CHUNK :].view(1, tail), k_tail))
     local, codes, scales, chunk_of = [], [], [], []
+    kernel = fp4_native.load() if flat.device.type == "cpu" else None
     for first_chunk, rows, kk in groups:
-        magnitudes = rows.abs()
-        ranked = magnitudes.topk(kk, dim=1)  # magnitudes in descending order
-        idx = _lowest_on_ties(magnitudes, ranked.values[:, -1:], ranked.indices.sort(dim=1).values)
+        idx = _select(rows, kk, kernel)
         values = rows.gather(1, idx)
-        row_codes, row_scales = _quantize(codec, values, ranked.values)
+        ranked = values.abs().sort(dim=1, descending=True).values
+        row_codes, row_scales = _quantize(codec, values, ranked)
         local.append(idx.reshape(-1))
         codes.append(row_codes.reshape(-1))
         scales.append(row_scales.reshape(-1))
@@ -111,6 +114,16 @@ def encode_sparse(flat: torch.Tensor, codec: int, k: int) -> SparseEncoding:
         positions=chunks * SPARSE_CHUNK + local_all,
         values=decode_codes(codec, codes_all, scales_all, chunks),
     )
+
+
+def _select(rows: torch.Tensor, kk: int, kernel: fp4_native.Kernel | None) -> torch.Tensor:
+    """The kept indices of each row, ascending: the C kernel's radix select where it is
+    built (one pass per level over a row in cache), else torch.topk and the tie rule."""
+    if kernel is not None:
+        return kernel.topk_select(rows.contiguous(), kk)
+    magnitudes = rows.abs()
+    ranked = magnitudes.topk(kk, dim=1)
+    return _lowest_on_ties(magnitudes, ranked.values[:, -1:], ranked.indices.sort(dim=1).values)
 
 
 def _lowest_on_ties(

@@ -243,7 +243,8 @@ class NetworkConfig:
 
 @dataclass(kw_only=True)
 class LimitsConfig:
-    """Per-learner call rate and concurrency limits (server/ratelimit.py, server/inflight.py)."""
+    """Per-learner call rate and concurrency limits, worker threads and deadlines for
+    streams (server/ratelimit.py, server/inflight.py, server/deadlines.py)."""
 
     rate_limit_calls_per_s: float = 100.0
     """Each learner may make this many calls per second on average (0: no limit); a
@@ -252,14 +253,33 @@ class LimitsConfig:
     """Calls a learner may make at once before rate_limit_calls_per_s applies."""
     max_calls_in_flight: int = 16
     """Calls one learner may have open at the same time (0: no limit). Each open call holds
-    one of the server's 256 worker threads (a long-poll for up to a minute), so this stops a
+    one of the server's worker threads (a long-poll for up to a minute), so this stops a
     few learners from starving the rest; our learners have at most three open at once."""
+    worker_threads: int = 256
+    """Threads that run calls; every open call holds one. Sized for a few hundred learners."""
+    max_concurrent_streams: int = 100
+    """Calls one connection may have open at once (HTTP/2 max concurrent streams). A gRPC
+    client queues calls beyond it until one ends; a learner needs a handful."""
+    stream_idle_timeout_s: float = 30.0
+    """End a streaming call whose peer makes no progress for this long: a push with no next
+    chunk, a pull whose reader stopped reading (server/deadlines.py); 0: off."""
+    stream_min_bytes_per_s: float = 131072.0
+    """A push or pull must end within stream_idle_timeout_s + its payload bytes / this rate
+    (128 KiB/s: a 1 Mbit/s link); 0: no bound on the whole stream."""
 
     def __post_init__(self) -> None:
         if not self.rate_limit_calls_per_s >= 0 or self.rate_limit_burst < 1:
             raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
         if self.max_calls_in_flight < 0:
             raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
+        if self.worker_threads < 1 or self.max_concurrent_streams < 1:
+            raise ValueError("worker_threads and max_concurrent_streams must be >= 1")
+        if not self.stream_idle_timeout_s >= 0 or not self.stream_min_bytes_per_s >= 0:
+            raise ValueError("stream_idle_timeout_s and stream_min_bytes_per_s must be >= 0")
+        if self.stream_min_bytes_per_s and not self.stream_idle_timeout_s:
+            raise ValueError(
+                "stream_min_bytes_per_s needs stream_idle_timeout_s > 0 (its grace period)"
+            )
 
 
 @dataclass(kw_only=True)

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from common import fp4_native
 from common.codec import decode, encode
 from common.errors import InvalidArgument
 from common.fragment_wire import check_tensor, tensor_message
@@ -185,3 +186,33 @@ def test_ties_at_the_boundary_keep_the_lowest_indices(codec: int) -> None:
     assert enc.positions[:64].tolist() == list(range(100, 164))
     chunk1 = [SPARSE_CHUNK + 7, *range(SPARSE_CHUNK + 9, SPARSE_CHUNK + 72)]
     assert enc.positions[64:].tolist() == chunk1
+
+
+def special_rows() -> list[torch.Tensor]:
+    """Random values, many exact ties, zeros of both signs, subnormals, short tails."""
+    g = torch.Generator().manual_seed(5)
+    ties = torch.randint(-3, 4, (3 * SPARSE_CHUNK + 77,), generator=g).float()
+    tiny = torch.randn(SPARSE_CHUNK + 5, generator=g) * 1e-42
+    signed_zeros = torch.zeros(SPARSE_CHUNK)
+    signed_zeros[::3] = -0.0
+    signed_zeros[5] = -1.0
+    return [randn(5 * SPARSE_CHUNK + 123, seed=9) * 1e3, ties, tiny, signed_zeros, randn(7)]
+
+
+@pytest.mark.parametrize("codec", SPARSE)
+@pytest.mark.parametrize("k", [1, 3, 64, 4095, 4096])
+def test_the_c_selection_gives_the_torch_paths_bytes(codec: int, k: int, monkeypatch) -> None:
+    monkeypatch.setenv("DILOCO_FP4_KERNEL", "native")
+    if fp4_native.load() is None:
+        pytest.skip("no C compiler")
+    for x in special_rows():
+        native = encode_sparse(x, codec, k)
+        monkeypatch.setenv("DILOCO_FP4_KERNEL", "torch")
+        reference = encode_sparse(x, codec, k)
+        monkeypatch.setenv("DILOCO_FP4_KERNEL", "native")
+        for a, b in zip(
+            (native.indices, native.codes, native.scales),
+            (reference.indices, reference.codes, reference.scales),
+            strict=True,
+        ):
+            assert torch.equal(a, b)
