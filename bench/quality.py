@@ -1,6 +1,6 @@
 """How close to a tuned data-parallel run does each codec train, and at how many fewer bytes?
 
-    python bench/quality.py            # full run (about 30 min on 2 free cores)
+    python bench/quality.py            # full run: 9 runs, an estimated 26 min on 2 idle cores
     python bench/quality.py --quick    # shortened (<= 5 min): quality_quick.json, no plots
 
 Same model, data, K = 4 learners and total tokens for data-parallel (gradients averaged every
