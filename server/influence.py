@@ -13,7 +13,9 @@ pull the result, so replicas stay bit-identical and a replay of the log rebuilds
   that with two learners one cannot raise its own bound; the last weights rather than the
   open round's pushes so far, so that the cap is known when the push is summed (the round
   keeps no per-push copies). Honest learners within a factor c of each other are never
-  capped; a liar in a round of n honest ones carries at most c/(n + c) of the step.
+  capped; a liar in a round of n honest ones carries at most c/(n + c) of the weight. The
+  last weights live in memory: until another live learner has pushed since the server
+  started, a push has nothing to be capped against (the trimmed mean does not need them).
 - Robust merge (`robust_merge`, for untrusted learners): `clip-to-median` scales each push
   down to the fragment's recent median norm (`clip_scale`), so that a push moves the model
   no further than a typical one; `trimmed-mean` drops, value by value, the k largest and k

@@ -173,11 +173,6 @@ class Quorum(RoundPolicy):
 
     mode = "quorum"
 
-    def __init__(
-        self, rounds: RoundsConfig, outer: OuterConfig, clock: Callable[[], float]
-    ) -> None:
-        super().__init__(rounds, outer, clock)
-
     def accepted(self, rnd: Round, learner_id: str, weight: float) -> None:
         super().accepted(rnd, learner_id, weight)
         if rnd.quorum_since is None and len(rnd.contributors) >= self.config.min_contributors:
