@@ -74,6 +74,13 @@ class Variant:
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)
     outer_momentum_warmup_start: float = 0.5
     warm_start_fraction: float = 0.0  # of the steps, data-parallel before the learners split
+    # More aggregator settings by flat name (mode, robust_merge, max_weight_ratio, ...).
+    server: dict = field(default_factory=dict)
+    # The last `adversaries` learners send their pseudo-gradient times adversary_scale and
+    # claim (and declare at Join) adversary_token_factor times their tokens.
+    adversaries: int = 0
+    adversary_scale: float = -10.0
+    adversary_token_factor: int = 100
 
 
 @dataclass
@@ -93,16 +100,23 @@ class Result:
 
 
 class InProcessTransport:
-    """The servicer's path without the network: check header, decode, push; pull by version."""
+    """The servicer's path without the network: check header, decode, push; pull by version.
 
-    def __init__(self, aggregator: Aggregator, session_id: str) -> None:
+    An adversarial learner's transport scales each pseudo-gradient by `scale` and multiplies
+    the tokens it claims by `token_factor`."""
+
+    def __init__(
+        self, aggregator: Aggregator, session_id: str, scale: float = 1.0, token_factor: int = 1
+    ) -> None:
         self.aggregator, self.session_id = aggregator, session_id
+        self.scale, self.token_factor = scale, token_factor
 
     def start_sync(
         self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
     ):
         shapes = self.aggregator.check_push(self.session_id, fragment_id, base_version)
-        tensors = decode_fragment(payload, shapes)
+        tensors = [t * self.scale for t in decode_fragment(payload, shapes)]
+        tokens *= self.token_factor
         self.aggregator.push(
             self.session_id, fragment_id, base_version, tensors, tokens, inner_steps
         )
@@ -235,10 +249,16 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             outer_momentum_warmup_start=variant.outer_momentum_warmup_start,
             # The guard compares a push with its fragment's recent pushes; during a learning
             # rate warm-up each round's pseudo-gradient is legitimately several times the last.
-            max_norm_ratio=0.0,
+            **{"max_norm_ratio": 0.0, **variant.server},
         )
     )
-    sessions = [aggregator.join(f"learner-{i}", specs).session_id for i in range(k)]
+    tokens_per_step = setup.batch_size * setup.block_size
+    honest = k - variant.adversaries
+    factors = [1 if i < honest else variant.adversary_token_factor for i in range(k)]
+    sessions = [
+        aggregator.join(f"learner-{i}", specs, tokens_per_step * factors[i]).session_id
+        for i in range(k)
+    ]
     layout = aggregator.layout()
     params0 = [p.detach().cpu() for p in model.parameters()]
     for fid, indices, _ in layout:
@@ -261,10 +281,15 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             params,
             replicas,
             schedule,
-            InProcessTransport(aggregator, session),
+            InProcessTransport(
+                aggregator,
+                session,
+                scale=1.0 if i < honest else variant.adversary_scale,
+                token_factor=factors[i],
+            ),
             variant.push_codec,
             variant.merge_alpha,
-            tokens_per_step=setup.batch_size * setup.block_size,
+            tokens_per_step=tokens_per_step,
             **({"push_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
         )
         sync.load_globals()
@@ -280,7 +305,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
                     eval_params[j].copy_(g)
         return evaluate(eval_model, eval_batches)
 
-    tokens_per_step = setup.batch_size * k * setup.block_size
+    tokens_per_step *= k
     warm = warm_steps  # these steps' tokens are already spent
     curve = [(warm * tokens_per_step, global_loss())]
     local_steps = setup.steps - warm

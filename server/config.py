@@ -13,6 +13,7 @@ or in its section's table (common/config.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -25,6 +26,7 @@ from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
 from common.sparse import DEFAULT_TOPK_FRACTION
 from common.tls import server_credentials
+from server.influence import ROBUST_MERGES
 from server.policy import MODES, WEIGHTINGS
 
 
@@ -68,6 +70,17 @@ class RoundsConfig:
     max_norm_ratio: float = 10.0
     """Refuse a push whose pseudo-gradient norm exceeds this many times the median of the
     fragment's recent accepted pushes (a poisoned or exploding update); 0: off."""
+    max_weight_ratio: float = 4.0
+    """A push weighs at most this many times the median of the other live learners' last
+    weights, whatever tokens it claims (server/influence.py); 0: off. 4 lets an honest
+    learner do twice the median's tokens per step under tokens_squared_per_step."""
+    robust_merge: str = "none"
+    """none (the weighted mean), trimmed-mean (value by value, drop the trim_fraction
+    largest and smallest of a round's pushes; sync and quorum modes) or clip-to-median
+    (scale each push down to the fragment's recent median norm): for untrusted learners."""
+    trim_fraction: float = 0.2
+    """trimmed-mean: the share of a round's K pushes dropped at each end, at least one when
+    K >= 3 (server/influence.py)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -86,6 +99,21 @@ class RoundsConfig:
             raise ValueError("grace_steps, max_staleness and async_momentum_every must be >= 0")
         if not self.max_norm_ratio >= 0:
             raise ValueError(f"max_norm_ratio must be >= 0, got {self.max_norm_ratio}")
+        if not (self.max_weight_ratio == 0 or 1 <= self.max_weight_ratio < math.inf):
+            raise ValueError(
+                f"max_weight_ratio must be 0 (off) or >= 1, got {self.max_weight_ratio}"
+            )
+        if self.robust_merge not in ROBUST_MERGES:
+            raise ValueError(
+                f"robust_merge must be one of {', '.join(ROBUST_MERGES)}, got {self.robust_merge!r}"
+            )
+        if self.robust_merge == "trimmed-mean" and self.mode == "async":
+            raise ValueError(
+                "robust_merge trimmed-mean needs rounds of several pushes (sync or quorum "
+                "mode); in async mode use clip-to-median"
+            )
+        if not 0 < self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in (0, 0.5), got {self.trim_fraction}")
 
 
 RECIPES = ("best", "paper")

@@ -54,6 +54,9 @@ class Round:
     # Σ weight·discount·max|Δ|: a bound on max|delta_sum|, so a push that could overflow the
     # float32 sum is refused before it is added (Aggregator.push).
     abs_bound: float = 0.0
+    # With robust_merge trimmed-mean: each push's discounted Δ, which the trimmed mean
+    # replaces the weighted sum with at the close (server/rounds.py); else None.
+    kept: list[list[torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -137,12 +140,16 @@ class FragmentState:
         tokens: int,
         weight: float = 1.0,
         discount: float = 1.0,
+        keep: bool = False,
     ) -> None:
         """Add a pseudo-gradient with its weight and staleness discount to the open round.
 
         A PushBody is decoded into the sum a chunk at a time (server/ingest.py): no
-        per-learner float32 copy of the fragment is ever made."""
+        per-learner float32 copy of the fragment is made unless `keep` asks for one (the
+        discounted Δ, for a trimmed mean)."""
         rnd, scale = self.round, weight * discount
+        if keep:
+            rnd.kept = (rnd.kept or []) + [body.add_to(None, discount)]
         if rnd.delta_sum is None and self._spare_sum is not None:
             rnd.delta_sum = body.add_to(self._spare_sum, scale, overwrite=True)
             self._spare_sum = None

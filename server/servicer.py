@@ -145,7 +145,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         self._check_caller(learner_id=request.learner_id or "(empty)")
         fingerprint = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in request.fingerprint]
-        result = self.aggregator.join(request.learner_id, fingerprint)
+        result = self.aggregator.join(request.learner_id, fingerprint, request.tokens_per_step)
         response = pb.JoinResponse(
             session_id=result.session_id,
             server_epoch=result.server_epoch,
