@@ -27,6 +27,7 @@ from server.config import ServerConfig
 from server.inflight import InFlightLimit
 from server.metrics import ServerMetrics
 from server.ratelimit import RateLimit
+from server.receive import PushBudget, RawPushChunks
 from server.servicer import AggregatorServicer
 
 log = logging.getLogger("diloco.server")
@@ -59,11 +60,13 @@ class AggregatorService:
         )
         # Authentication first: the limits then key on verified learner ids.
         chain = (self.auth, self.rate_limit, self.in_flight)
-        interceptors = tuple(i for i in chain if i is not None)
+        # RawPushChunks last: the others wrap the push handler it makes (server/receive.py).
+        interceptors = (*(i for i in chain if i is not None), RawPushChunks())
         self._server, self.port = create_server(
             network.listen, network.credentials(), interceptors=interceptors
         )
-        self.servicer = AggregatorServicer(self.aggregator)
+        budget = PushBudget(int(limits.push_memory_budget_mb * 2**20), limits.push_budget_wait_s)
+        self.servicer = AggregatorServicer(self.aggregator, push_budget=budget)
         self.metrics.watch(self.aggregator, self.servicer, self.rate_limit, self.in_flight)
         pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)
         if network.reflection:

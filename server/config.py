@@ -226,12 +226,25 @@ class LimitsConfig:
     """Calls one learner may have open at the same time (0: no limit). Each open call holds
     one of the server's 256 worker threads (a long-poll for up to a minute), so this stops a
     few learners from starving the rest; our learners have at most three open at once."""
+    push_memory_budget_mb: float = 256.0
+    """Push payload bytes the server holds at once, all pushes together: a push's announced
+    size is reserved before its payload is read (server/receive.py). Must hold the largest
+    push (a fragment in fp32 when learners push fp32)."""
+    push_budget_wait_s: float = 0.0
+    """How long a push waits for room in push_memory_budget_mb before it is refused with
+    RESOURCE_EXHAUSTED and a retry hint (learners retry it). 0: refused at once. A waiting
+    push holds what gRPC's flow control lets its sender send meanwhile (up to the link's
+    bandwidth-delay product), so waiting trades memory for fewer retries."""
 
     def __post_init__(self) -> None:
         if not self.rate_limit_calls_per_s >= 0 or self.rate_limit_burst < 1:
             raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
         if self.max_calls_in_flight < 0:
             raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
+        if not self.push_memory_budget_mb > 0:
+            raise ValueError(f"push_memory_budget_mb must be > 0, got {self.push_memory_budget_mb}")
+        if not 0 <= self.push_budget_wait_s <= 3600:
+            raise ValueError(f"push_budget_wait_s must be 0 to 3600, got {self.push_budget_wait_s}")
 
 
 @dataclass(kw_only=True)

@@ -51,7 +51,7 @@ import torch
 from common import fp4_native
 from common.codec import FP4_BLOCK, FP4_GRIDS, dequantize_fp4
 from common.errors import InvalidArgument
-from common.fragment_wire import NOT_FINITE, WireTensor, parse_fragment
+from common.fragment_wire import NOT_FINITE, WireTensor, parse_fragment, parse_fragment_view
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 # Values decoded at a time: 512 KiB of float32, small enough to stay in cache from the decode
@@ -201,19 +201,24 @@ class IngestSlot:
 
     def parse(
         self,
-        data: bytes | bytearray,
+        data: bytes | bytearray | memoryview,
         shapes: Sequence[tuple[int, ...]],
         release: bool = False,
     ) -> PushBody:
         """Check a serialized EncodedFragment against the fragment's shapes and read its norm
         and largest magnitude; raises InvalidArgument as common.wire.decode_fragment does.
 
-        With `release`, a bytearray `data` is emptied once protobuf has parsed (copied) it,
-        before the tensors' bytes are copied out of the message: a push then peaks at two
-        copies of its payload here, not three (the caller's reference would keep it alive)."""
+        A memoryview (a receive buffer, server/receive.py) is read in place: the body's
+        tensors are views of it, valid while it is. With `release`, a bytearray `data` is
+        emptied once protobuf has parsed (copied) it."""
         kernel = fp4_native.load()
         tensors, squares, max_abs = [], 0.0, 0.0
-        for t in parse_fragment(data, shapes, release=release):
+        checked = (
+            parse_fragment_view(data, shapes)
+            if isinstance(data, memoryview)
+            else parse_fragment(data, shapes, release=release)
+        )
+        for t in checked:
             # Its values before the next tensor is checked, as decode_fragment reads them.
             tensor_squares, tensor_max = _value_stats(t, self._scratch, kernel)
             tensors.append(t)
