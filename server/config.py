@@ -138,6 +138,11 @@ class StreamingConfig:
     """Codec of the outer updates learners pull (with error feedback); fp32 pulls snapshots."""
     update_log_versions: int = 16
     """Quantized updates kept per fragment; a learner further behind gets a snapshot."""
+    update_log_fraction: float = 0.5
+    """The kept updates' bytes stay within this fraction of a snapshot's (fp32 parameters):
+    the server holds that much of a model copy per fragment for catch-up pulls. A learner
+    further behind pulls a snapshot, at most 1/fraction times the bytes of the chain it
+    would have pulled (fp4: 3 versions at 0.5, 7 at 1)."""
 
     def __post_init__(self) -> None:
         if self.fragments < 1:
@@ -150,6 +155,10 @@ class StreamingConfig:
             )
         if self.update_log_versions < 1:
             raise ValueError(f"update_log_versions must be >= 1, got {self.update_log_versions}")
+        if not 0 < self.update_log_fraction <= 1:
+            raise ValueError(
+                f"update_log_fraction must be > 0 and <= 1, got {self.update_log_fraction}"
+            )
 
 
 @dataclass(kw_only=True)

@@ -83,6 +83,7 @@ class GlobalParams:
                 outer=self._new_outer(),
                 pull_codec=cfg.pull_codec,
                 update_log_versions=cfg.update_log_versions,
+                update_log_fraction=cfg.update_log_fraction,
             )
             for fid, indices in enumerate(groups)
         ]

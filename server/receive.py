@@ -16,8 +16,9 @@ refused with RESOURCE_EXHAUSTED and a retry hint. A reservation is returned when
 ends, however it ends (accepted, refused or cancelled by its sender).
 
 Buffers are reused: the pool keeps up to `keep` released buffers (the sizes repeat: one per
-fragment and codec), so a push does not fault in fresh pages for its payload every time;
-a cancelled push's buffer is freed instead, so that what a hostile sender made the server
+fragment and codec), so a push does not fault in fresh pages for its payload every time; a
+kept buffer serves pushes of half its size or more. A cancelled push's buffer is freed, as
+is a fragment's initial (fp32) one, so that what a hostile sender made the server
 touch goes back to the system. Chunks arrive as views of gRPC's message bytes
 (RawPushChunks), so each payload byte is copied once, from gRPC's message into the buffer.
 """
@@ -64,10 +65,13 @@ class PushBudget:
             return self._reserved
 
     @contextlib.contextmanager
-    def reserve(self, size: int, gone: Callable[[], bool] = lambda: False) -> Iterator[memoryview]:
+    def reserve(
+        self, size: int, gone: Callable[[], bool] = lambda: False, reuse: bool = True
+    ) -> Iterator[memoryview]:
         """A writable buffer of `size` bytes counted against the budget until the block
         ends; waits up to wait_s for room (less if `gone()` turns true), else raises
-        ResourceExhausted. A push larger than the whole budget is refused at once."""
+        ResourceExhausted. A push larger than the whole budget is refused at once. Without
+        `reuse` (a one-off push: a fragment's initial values) the buffer is freed after."""
         if size > self.budget_bytes:
             raise ResourceExhausted(
                 f"push of {size} bytes exceeds the push memory budget of {self.budget_bytes} "
@@ -77,7 +81,7 @@ class PushBudget:
         ok = False
         try:
             yield memoryview(buffer)[:size]
-            ok = True
+            ok = reuse
         finally:
             self._give_back(buffer, keep=ok)
 
@@ -85,8 +89,9 @@ class PushBudget:
         deadline = time.monotonic() + self.wait_s
         with self._cond:
             while True:
-                fits = [i for i, b in enumerate(self._free) if len(b) >= size]
-                if fits:  # the smallest kept buffer that fits
+                # A kept buffer that fits without wasting more than half of itself.
+                fits = [i for i, b in enumerate(self._free) if size <= len(b) <= 2 * size]
+                if fits:
                     return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
                 # Drop kept buffers (largest first) until a new one fits, if that is enough.
                 kept = sum(len(b) for b in self._free)

@@ -58,3 +58,16 @@ def test_chunk_messages_are_read_in_place() -> None:
     # Anything but a lone chunk is protobuf's to read (here: a chunk then a header).
     mixed = data + header.SerializeToString()
     assert push_request(mixed) == pb.PushFragmentRequest.FromString(mixed)
+
+
+def test_one_off_pushes_are_not_kept_and_small_pushes_take_small_buffers() -> None:
+    budget = PushBudget(budget_bytes=200, wait_s=0.0, keep=4)
+    with budget.reserve(100, reuse=False):  # a fragment's initial values
+        pass
+    assert budget.reserved_bytes() == 0
+    with budget.reserve(100):
+        pass
+    with budget.reserve(40):  # not the kept 100-byte buffer: it would waste most of it
+        assert budget.reserved_bytes() == 140
+    with budget.reserve(60):  # the kept 100-byte one fits
+        assert budget.reserved_bytes() == 140

@@ -23,7 +23,11 @@ def random_fragment(shapes, seed: int, scale: float = 1.0) -> list[torch.Tensor]
 
 
 def test_replicas_bit_identical_after_many_rounds_with_several_learners() -> None:
-    agg = Aggregator(aggregator_config(fragments=2, pull_codec="fp4_e2m1", update_log_versions=8))
+    agg = Aggregator(
+        aggregator_config(
+            fragments=2, pull_codec="fp4_e2m1", update_log_versions=8, update_log_fraction=1.0
+        )
+    )
     sessions = [agg.join(f"l{i}", SPECS).session_id for i in range(3)]
     shapes = {f: [SPECS[i].shape for i in idx] for f, idx, _ in agg.join("l0", SPECS).fragments}
     sessions[0] = agg.join("l0", SPECS).session_id
