@@ -18,7 +18,9 @@ the packed codes each, reading the wire bytes in place, with the GIL released so
 in other slots proceed in parallel. Profiled (bench/ingest.py --quick, py-spy), the torch
 chunk path spends ~27 ms per 4 M-value push on the checks and ~17 ms under the lock on the
 add, so the lock caps ingest near 2 MiB / 17 ms; the kernel takes ~0.3 ms (AVX2 table
-lookups) and ~1.5 ms (the sum's 16 MB read and write: memory bound).
+lookups) and ~0.7 ms (the decode in registers; the sum's 16 MB read and write make it
+memory bound on a busy machine). A push's bytes come from its receive buffer
+(server/receive.py), read in place.
 The add is bit-identical to torch's `add_(values, alpha=w)`, whose rounding differs by CPU
 (one FMA in its AVX2/AVX512 kernels, a multiply then an add in its baseline ones): the
 kernel's mode is chosen by measuring torch in this process (Kernel.torch_add_mode), and where
