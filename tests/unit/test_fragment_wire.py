@@ -20,6 +20,7 @@ from common.fragment_wire import (
     tensor_message,
 )
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.sparse_wire import SPARSE_CODECS
 from common.wire import apply_updates, decode_fragment, encode_fragment
 
 
@@ -40,6 +41,8 @@ PINNED = {
     "bf16": (467, 0x7659A861),
     "fp4_e2m1": (170, 0xFD8537DE),
     "fp4_e3m0": (170, 0x2ADCAC87),
+    "sparse_2bit": (96, 0x2AF13444),
+    "sparse_fp4": (88, 0xFC8DEFCA),
 }
 
 
@@ -48,6 +51,13 @@ def test_fragment_bytes_are_pinned_and_protobufs_own(codec: str) -> None:
     tensors = pinned_tensors()
     data = encode_fragment(tensors, codec)
     assert (len(data), zlib.crc32(data)) == PINNED[codec]
+    if CODECS[codec] in SPARSE_CODECS:  # encoded whole fragments only (common/sparse.py)
+        msg = pb.EncodedFragment.FromString(data)
+        assert msg.SerializeToString() == data
+        for t in msg.tensors:
+            k = t.sparse_k.to_bytes(4, "little")
+            assert t.crc32 == zlib.crc32(k, zlib.crc32(t.scales, zlib.crc32(t.payload)))
+        return
     # Protobuf's serialization of the same fields, checksummed here independently.
     messages = []
     for t in tensors:
@@ -157,7 +167,9 @@ def test_view_parser_reads_the_writers_bytes_in_place(codec: str) -> None:
     _views_equal(data, shapes)
     buffer = memoryview(bytearray(data))
     checked = list(parse_fragment_view(buffer, shapes))
-    assert isinstance(checked[0].payload, memoryview) and checked[0].payload.obj is buffer.obj
+    if codec in ("fp32", "bf16", "fp4_e2m1", "fp4_e3m0"):  # sparse ones: protobuf's reading
+        assert isinstance(checked[0].payload, memoryview)
+        assert checked[0].payload.obj is buffer.obj
 
 
 def test_view_parser_takes_other_encodings_as_protobuf_does() -> None:
