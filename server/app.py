@@ -28,7 +28,7 @@ from server.deadlines import StreamDeadlines
 from server.inflight import InFlightLimit
 from server.metrics import ServerMetrics
 from server.ratelimit import RateLimit
-from server.receive import PushBudget, RawPushChunks
+from server.receive import PushBudget
 from server.servicer import AggregatorServicer
 
 log = logging.getLogger("diloco.server")
@@ -71,8 +71,7 @@ class AggregatorService:
             network.listen,
             network.credentials(),
             max_workers=limits.worker_threads,
-            # RawPushChunks last: the others wrap the push handler it makes (server/receive.py).
-            interceptors=(*(i for i in chain if i is not None), RawPushChunks()),
+            interceptors=tuple(i for i in chain if i is not None),
             max_concurrent_streams=limits.max_concurrent_streams,
         )
         budget = PushBudget(int(limits.push_memory_budget_mb * 2**20), limits.push_budget_wait_s)

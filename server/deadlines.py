@@ -167,8 +167,6 @@ class StreamDeadlines(grpc.ServerInterceptor):
                 return
         except ValueError:  # a message without a header (reflection)
             return
-        except AttributeError:  # a push chunk read in place, a memoryview (server/receive.py)
-            return
         watch.payload_bytes = message.header.payload_bytes
         watch.deadline = (
             self._clock() + self.idle_timeout_s + watch.payload_bytes / self.min_bytes_per_s

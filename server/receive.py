@@ -19,8 +19,7 @@ Buffers are reused: the pool keeps up to `keep` released buffers (the sizes repe
 fragment and codec), so a push does not fault in fresh pages for its payload every time; a
 kept buffer serves pushes of half its size or more. A cancelled push's buffer is freed, as
 is a fragment's initial (fp32) one, so that what a hostile sender made the server
-touch goes back to the system. Chunks arrive as views of gRPC's message bytes
-(RawPushChunks), so each payload byte is copied once, from gRPC's message into the buffer.
+touch goes back to the system.
 """
 
 from __future__ import annotations
@@ -30,18 +29,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-import grpc
 import numpy as np
 
 from common.errors import InvalidArgument, ResourceExhausted
-from common.generated.diloco.v1 import aggregator_pb2 as pb
 
-PUSH_METHOD = "/diloco.v1.Aggregator/PushFragment"
 # push_memory_budget_mb's default (server/config.py), for servicers built without a config.
 DEFAULT_PUSH_BUDGET_BYTES = 256 << 20
 # A waiting push checks this often whether its caller went away.
 _POLL_S = 0.25
-_CHUNK_TAG = 2 << 3 | 2  # PushFragmentRequest.chunk: field 2, length-delimited
 
 
 class BudgetExhausted(ResourceExhausted):
@@ -133,30 +128,3 @@ def receive_into(buffer: memoryview, pieces: Iterable[bytes | memoryview]) -> me
     if filled != size:
         raise InvalidArgument(f"payload ended after {filled} of the announced {size} bytes")
     return buffer
-
-
-def push_request(data: bytes) -> pb.PushFragmentRequest | memoryview:
-    """A PushFragmentRequest from its bytes; a message that is only a chunk comes back as a
-    view of the chunk's bytes, without protobuf's two copies (its parse and `.chunk`)."""
-    if data[:1] == bytes([_CHUNK_TAG]):
-        size, pos, shift = 0, 1, 0
-        while pos < len(data) and shift < 35:
-            byte = data[pos]
-            size |= (byte & 0x7F) << shift
-            pos, shift = pos + 1, shift + 7
-            if byte < 0x80:
-                if pos + size == len(data):
-                    return memoryview(data)[pos:]
-                break
-    return pb.PushFragmentRequest.FromString(data)
-
-
-class RawPushChunks(grpc.ServerInterceptor):
-    """Hands PushFragment's chunk messages to the servicer as views (push_request). Put it
-    last among the interceptors, so that the others wrap the handler it returns."""
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None or handler_call_details.method != PUSH_METHOD:
-            return handler
-        return handler._replace(request_deserializer=push_request)

@@ -176,7 +176,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     @_abort_on_domain_error
     def PushFragment(self, request_iterator: Iterator[pb.PushFragmentRequest], context):
         first = next(request_iterator, None)
-        if not isinstance(first, pb.PushFragmentRequest) or not first.HasField("header"):
+        if first is None or not first.HasField("header"):
             raise InvalidArgument("a push must start with a header message")
         header = first.header
         fid = header.fragment_id
@@ -277,14 +277,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         """The fragment to count bytes under; unknown ids share one key (bounded labels)."""
         return fragment_id if self.aggregator.has_fragment(fragment_id) else NO_FRAGMENT
 
-    def _chunk_of(
-        self, msg: pb.PushFragmentRequest | memoryview, fragment_id: int
-    ) -> bytes | memoryview:
-        """A chunk's bytes; a view of gRPC's message when server/receive.RawPushChunks
-        parsed it (the count is then the whole message's bytes, as ByteSize)."""
-        if isinstance(msg, memoryview):
-            self.traffic.count(fragment_id, received=len(msg.obj))
-            return msg
+    def _chunk_of(self, msg: pb.PushFragmentRequest, fragment_id: int) -> bytes:
         if not msg.HasField("chunk"):
             raise InvalidArgument("only payload chunks may follow the push header")
         self.traffic.count(fragment_id, received=msg.ByteSize())

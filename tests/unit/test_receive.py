@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import InvalidArgument, ResourceExhausted
-from common.generated.diloco.v1 import aggregator_pb2 as pb
-from server.receive import BudgetExhausted, PushBudget, push_request, receive_into
+from server.receive import BudgetExhausted, PushBudget, receive_into
 
 
 def test_reservations_are_bounded_and_returned() -> None:
@@ -45,19 +44,6 @@ def test_receive_into_needs_exactly_the_announced_bytes() -> None:
     assert bytes(receive_into(buffer, [b"abc", memoryview(b"..def")[2:]])) == b"abcdef"
     with pytest.raises(InvalidArgument, match="ended after 3 of the announced 6"):
         receive_into(buffer, [b"abc"])
-
-
-def test_chunk_messages_are_read_in_place() -> None:
-    chunk = bytes(range(256)) * 600  # a two-byte length
-    data = pb.PushFragmentRequest(chunk=chunk).SerializeToString()
-    view = push_request(data)
-    assert isinstance(view, memoryview) and view.obj is data and bytes(view) == chunk
-    header = pb.PushFragmentRequest(header=pb.PushHeader(session_id="s"))
-    assert push_request(header.SerializeToString()) == header
-    assert push_request(b"") == pb.PushFragmentRequest()
-    # Anything but a lone chunk is protobuf's to read (here: a chunk then a header).
-    mixed = data + header.SerializeToString()
-    assert push_request(mixed) == pb.PushFragmentRequest.FromString(mixed)
 
 
 def test_one_off_pushes_are_not_kept_and_small_pushes_take_small_buffers() -> None:
