@@ -191,6 +191,11 @@ class StreamingConfig:
     """Sparse pull codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
     update_log_versions: int = 16
     """Quantized updates kept per fragment; a learner further behind gets a snapshot."""
+    update_log_fraction: float = 0.5
+    """The kept updates' bytes stay within this fraction of a snapshot's (fp32 parameters):
+    the server holds that much of a model copy per fragment for catch-up pulls. A learner
+    further behind pulls a snapshot, at most 1/fraction times the bytes of the chain it
+    would have pulled (fp4: 3 versions at 0.5, 7 at 1)."""
 
     def __post_init__(self) -> None:
         if self.fragments < 1:
@@ -206,6 +211,10 @@ class StreamingConfig:
             raise ValueError(f"pull_topk_fraction must be in (0, 1], got {self.pull_topk_fraction}")
         if self.update_log_versions < 1:
             raise ValueError(f"update_log_versions must be >= 1, got {self.update_log_versions}")
+        if not 0 < self.update_log_fraction <= 1:
+            raise ValueError(
+                f"update_log_fraction must be > 0 and <= 1, got {self.update_log_fraction}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -283,6 +292,15 @@ class LimitsConfig:
     """Calls one learner may have open at the same time (0: no limit). Each open call holds
     one of the server's worker threads (a long-poll for up to a minute), so this stops a
     few learners from starving the rest; our learners have at most three open at once."""
+    push_memory_budget_mb: float = 256.0
+    """Push payload bytes the server holds at once, all pushes together: a push's announced
+    size is reserved before its payload is read (server/receive.py). Must hold the largest
+    push (a fragment in fp32 when learners push fp32)."""
+    push_budget_wait_s: float = 0.0
+    """How long a push waits for room in push_memory_budget_mb before it is refused with
+    RESOURCE_EXHAUSTED and a retry hint (learners retry it). 0: refused at once. A waiting
+    push holds what gRPC's flow control lets its sender send meanwhile (up to the link's
+    bandwidth-delay product), so waiting trades memory for fewer retries."""
     worker_threads: int = 256
     """Threads that run calls; every open call holds one. Sized for a few hundred learners."""
     max_concurrent_streams: int = 100
@@ -300,6 +318,10 @@ class LimitsConfig:
             raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
         if self.max_calls_in_flight < 0:
             raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
+        if not self.push_memory_budget_mb > 0:
+            raise ValueError(f"push_memory_budget_mb must be > 0, got {self.push_memory_budget_mb}")
+        if not 0 <= self.push_budget_wait_s <= 3600:
+            raise ValueError(f"push_budget_wait_s must be 0 to 3600, got {self.push_budget_wait_s}")
         if self.worker_threads < 1 or self.max_concurrent_streams < 1:
             raise ValueError("worker_threads and max_concurrent_streams must be >= 1")
         if not self.stream_idle_timeout_s >= 0 or not self.stream_min_bytes_per_s >= 0:
