@@ -147,7 +147,8 @@ class OuterConfig:
     outer_momentum over each fragment's first N outer steps (0: off, torch's SGD exactly).
     Helps a model trained from scratch (docs/RESULTS.md, quality)."""
     outer_momentum_warmup_start: float = 0.5
-    """The outer momentum of the first outer step when the warm-up is on."""
+    """The outer momentum of the first outer step when the warm-up is on (at most
+    outer_momentum: a lower target is the start too)."""
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:
@@ -165,14 +166,6 @@ class OuterConfig:
             raise ValueError(
                 "outer_momentum_warmup_start must be in [0, 1), "
                 f"got {self.outer_momentum_warmup_start}"
-            )
-        if (
-            self.outer_momentum_warmup_rounds
-            and self.outer_momentum_warmup_start > self.outer_momentum
-        ):
-            raise ValueError(
-                f"outer_momentum_warmup_start ({self.outer_momentum_warmup_start}) must not "
-                f"exceed outer_momentum ({self.outer_momentum}): a warm-up raises the momentum"
             )
 
 

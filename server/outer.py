@@ -56,8 +56,11 @@ def warmed_momentum(momentum: float, start: float, rounds: int, taken: int) -> f
     Why: from a random start the pseudo-gradients turn quickly, and momentum 0.9 amplifies
     each step up to lr/(1-momentum) = 7x along a direction that is already stale; a model
     trained from scratch falls behind in its first rounds and never makes it up
-    (bench/quality.py). Lower momentum early and the full value later avoids that.
+    (bench/quality.py). Lower momentum early and the full value later avoids that. A `start`
+    above `momentum` is taken as `momentum`: a warm-up never raises the momentum above its
+    target (so `--outer-momentum 0` alone means no momentum, whatever the warm-up settings).
     """
+    start = min(start, momentum)
     if taken >= rounds:
         return momentum
     return start + (momentum - start) * taken / rounds

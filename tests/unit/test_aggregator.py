@@ -58,6 +58,17 @@ def test_outer_momentum_warmup_is_torch_sgd_with_a_rising_momentum() -> None:
             assert torch.equal(got, want.detach()), f"round {rnd}"
 
 
+def test_a_warm_up_never_raises_the_momentum_above_its_target() -> None:
+    """A target below the warm-up's start (momentum 0 with the default warm-up on) is the
+    momentum from the first step: no error, and no momentum above what was asked for."""
+    from server.outer import warmed_momentum
+
+    assert aggregator_config(outer_momentum=0.0).outer.outer_momentum_warmup_rounds > 0
+    assert [warmed_momentum(0.0, 0.5, 4, taken) for taken in range(6)] == [0.0] * 6
+    assert warmed_momentum(0.3, 0.5, 4, 0) == 0.3
+    assert warmed_momentum(0.9, 0.5, 4, 2) == 0.7
+
+
 def test_update_chunks_warms_up_like_step() -> None:
     """With 4-bit pulls the server applies `update_chunks`; it must warm up like `step`."""
     warm = NesterovOuter(0.7, 0.9, warmup_rounds=3, warmup_start=0.2)
@@ -191,5 +202,3 @@ def test_config_errors_name_the_field() -> None:
         aggregator_config(outer_momentum_warmup_start=1.0)
     with pytest.raises(ValueError, match="async"):
         aggregator_config(mode="async", outer_momentum_warmup_rounds=10)
-    with pytest.raises(ValueError, match="must not exceed outer_momentum"):
-        aggregator_config(outer_momentum=0.3, outer_momentum_warmup_rounds=10)
