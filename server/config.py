@@ -22,6 +22,7 @@ from common.codec import CODECS
 from common.config import build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
+from common.sparse import DEFAULT_TOPK_FRACTION
 from common.tls import server_credentials
 from server.policy import MODES, WEIGHTINGS
 
@@ -135,7 +136,10 @@ class StreamingConfig:
     layout: str = "strided"
     """How parameters are split: strided, sequential or balanced (common/fragments.py)."""
     pull_codec: str = "fp4_e2m1"
-    """Codec of the outer updates learners pull (with error feedback); fp32 pulls snapshots."""
+    """Codec of the outer updates learners pull (with error feedback): fp4_e2m1, fp4_e3m0,
+    the top-k sparse sparse_2bit or sparse_fp4; fp32 pulls snapshots."""
+    pull_topk_fraction: float = DEFAULT_TOPK_FRACTION
+    """Sparse pull codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
     update_log_versions: int = 16
     """Quantized updates kept per fragment; a learner further behind gets a snapshot."""
 
@@ -146,8 +150,11 @@ class StreamingConfig:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.pull_codec not in CODECS or self.pull_codec == "bf16":
             raise ValueError(
-                f"pull_codec must be fp32, fp4_e2m1 or fp4_e3m0, got {self.pull_codec!r}"
+                f"pull_codec must be fp32, fp4_e2m1, fp4_e3m0, sparse_2bit or sparse_fp4, "
+                f"got {self.pull_codec!r}"
             )
+        if not 0 < self.pull_topk_fraction <= 1:
+            raise ValueError(f"pull_topk_fraction must be in (0, 1], got {self.pull_topk_fraction}")
         if self.update_log_versions < 1:
             raise ValueError(f"update_log_versions must be >= 1, got {self.update_log_versions}")
 
