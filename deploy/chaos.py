@@ -16,11 +16,11 @@ and the server. Then it runs the same setup without faults for the same time, an
 - final eval loss next to the fault-free run's; goodput = tokens that reached a closed round
   / tokens the learners had capacity for (the fault-free run's merged tokens).
 
-The verdict (exit status 0, `failures` empty) needs every invariant, every kind of fault at
-least once, with --faults N at least N faults, and with --max-loss-gap G a final eval loss within G
-(relative) of the fault-free run's at its end (the eval loss at equal merged tokens is
-reported too). --soak is the long form: --faults 1000, a fault every ~1.5 s lasting 0.2-1 s,
-60 s without faults at the end, G = 0.03, report in bench/results/chaos_soak.json.
+The verdict (exit status 0, `failures` empty) needs every invariant; with --faults N at least
+N faults, and every kind of fault (N >= the kinds); and with --max-loss-gap G a final eval
+loss within G (relative) of the fault-free run's at its end (the eval loss at equal merged
+tokens is reported too). --soak is the long form: --faults 1000, a fault every ~1.5 s lasting
+0.2-1 s, 60 s without faults at the end, G = 0.03, report in bench/results/chaos_soak.json.
 
 Every figure comes from the daemons' Prometheus endpoints, scraped while the run goes on
 (deploy/watch.py); the logs in the work directory are for people.
@@ -234,8 +234,10 @@ def verdict(report: Report, min_faults: int = 0, max_loss_gap: float | None = No
         failures.append(f"dead at the end: {', '.join(report.dead_processes)}")
     if report.faults_without_progress:
         failures.append(f"{report.faults_without_progress} faults not followed by a round")
+    # A run asked for enough faults must have had every kind (they come in turn); a timed
+    # run on a busy machine may fit fewer, which breaks nothing.
     missing = [kind for kind in KINDS if not report.faults_by_kind.get(kind)]
-    if missing:
+    if missing and min_faults >= len(KINDS):
         failures.append(f"faults never injected: {', '.join(missing)}")
     injected = sum(report.faults_by_kind.values())
     if injected < min_faults:
