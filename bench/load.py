@@ -5,12 +5,13 @@
     python bench/load.py --quick --model-mib 64 # the model-proportional part of the memory
     python bench/load.py --quick --slopes      # + 8 learners at 4 and 32 MiB: the two slopes
 
-The server runs as its own process (quorum mode, K = 8, 1 fragment, fp4 pulls) so its memory
-can be read from /proc. Each simulated learner is a thread with its own channel: it joins,
-pulls a snapshot, then loops push -> pull (waiting for the round to close, as a sync-mode
-learner does at its merge point) for the whole run, sending a pre-encoded fp4 pseudo-gradient (no
-training: the load is the wire and the server). Reported: pushes per
-second, push latency p50/p99, the server's RSS over time against the fp32 model size, and
+The server runs as its own process (quorum mode, K = 8, 1 fragment, fp4 pulls, a 300 s lease:
+LEASE_S) so its memory can be read from /proc. Each simulated learner is a thread with its own
+channel: it joins, pulls a snapshot, then loops push -> pull (waiting for the round to close, as
+a sync-mode learner does at its merge point) for the whole run, sending a pre-encoded fp4
+pseudo-gradient (no training: the load is the wire and the server). Reported: pushes per
+second, push latency p50/p99, the server's RSS over time against the fp32 model size (and the
+peak RSS of this process, which holds every simulated learner), and
 every error by status; errors other than the intended rejections (none are intended here)
 count as unexpected. server_rss_vs_model = (peak RSS - RSS once serving, before any push) /
 fp32 model size, for this one run: at 4 MiB it is mostly the per-learner part (gRPC
@@ -132,6 +133,11 @@ class Learner(threading.Thread):
         self.errors[err.code().name] += 1
 
 
+# The simulated learners send no heartbeats (a real learner renews its lease every lease_s / 3
+# on a thread of its own): only their pushes and pulls renew it, and with hundreds of them on a
+# loaded machine two of those can be more than 30 s apart, which expires the session (NOT_FOUND).
+LEASE_S = 300
+
 # Learners of the two runs --slopes adds: K, so every round can close without a grace window.
 SLOPE_LEARNERS = 8
 
@@ -144,7 +150,7 @@ def run(learners: int, model_mib: int, duration_s: float, server_env: list[str])
         "server",
         [*SERVER, "--insecure", "--listen", "127.0.0.1:0", "--mode", "quorum",
          "--min-contributors", "8", "--grace-max-s", "0.5", "--max-staleness", "1000000",
-         "--lease-s", "30", "--log-level", "WARNING"],
+         "--lease-s", str(LEASE_S), "--log-level", "WARNING"],
         workdir / "server.log",
         port_file=workdir / "port",
         env={**os.environ, **dict(kv.split("=", 1) for kv in server_env)},
@@ -163,9 +169,10 @@ def run(learners: int, model_mib: int, duration_s: float, server_env: list[str])
             raise RuntimeError(f"the first learner could not initialise; see {workdir}")
         for learner in fleet[1:]:
             learner.start()
-        samples = []
+        samples, client_peak_mb = [], 0.0
         while time.perf_counter() - started < duration_s:
             samples.append((round(time.perf_counter() - started, 1), rss_mb(server.pid)))
+            client_peak_mb = max(client_peak_mb, rss_mb(os.getpid()))
             time.sleep(1.0)
         stop.set()
         for learner in fleet:
@@ -198,6 +205,8 @@ def run(learners: int, model_mib: int, duration_s: float, server_env: list[str])
         # Peak above the fixed overhead, in fp32 models, for this run's learners and model.
         "server_rss_vs_model": (peak - startup_mb) / model_mb,
         "server_rss_growth_mb_second_half": samples[-1][1] - samples[len(samples) // 2][1],
+        # This process: the simulated learners' threads, channels and pulled payloads.
+        "bench_client_rss_peak_mb": client_peak_mb,
     }
 
 

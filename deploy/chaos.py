@@ -2,6 +2,7 @@
 
     diloco-chaos --learners 3 --duration-s 600 --fault-every-s 15 --report chaos.json
     diloco-chaos --quick --report chaos.json       # about 2 minutes
+    diloco-chaos --soak                            # 1,000 short faults, then as long fault-free
 
 Starts a server (quorum mode, with a state dir) and K learners as real processes on
 loopback; each learner reaches the server through its own FaultProxy (deploy/cluster.py). On
@@ -15,6 +16,12 @@ and the server. Then it runs the same setup without faults for the same time, an
 - final eval loss next to the fault-free run's; goodput = tokens that reached a closed round
   / tokens the learners had capacity for (the fault-free run's merged tokens).
 
+The verdict (exit status 0, `failures` empty) needs every invariant; with --faults N at least
+N faults, and every kind of fault (N >= the kinds); and with --max-loss-gap G a final eval
+loss within G (relative) of the fault-free run's at its end (the eval loss at equal merged
+tokens is reported too). --soak is the long form: --faults 1000, a fault every ~1.5 s lasting
+0.2-1 s, 60 s without faults at the end, G = 0.03, report in bench/results/chaos_soak.json.
+
 Every figure comes from the daemons' Prometheus endpoints, scraped while the run goes on
 (deploy/watch.py); the logs in the work directory are for people.
 """
@@ -25,6 +32,7 @@ import argparse
 import json
 import math
 import random
+import shlex
 import signal
 import sys
 import tempfile
@@ -39,6 +47,29 @@ from deploy.watch import Watch, merged_tokens, recent_eval_loss, round_times, ti
 KINDS = ("learner_kill", "learner_stall", "server_kill", "net_cut")
 QUIET_TAIL_S = 10.0
 FRAGMENTS = 2
+SOAK_REPORT = Path(__file__).resolve().parent.parent / "bench" / "results" / "chaos_soak.json"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long a run lasts and how its faults come."""
+
+    duration_s: float
+    """The run's length; with max_faults, at most this long."""
+    fault_every_s: float
+    """Mean gap from one fault's end to the next one's start (drawn from 0.5x to 1.5x)."""
+    fault_length_s: tuple[float, float] = (1.0, 4.0)
+    """Each fault lasts a uniform draw from this range (a stall's or a cut's length, the wait
+    before a killed process is restarted)."""
+    max_faults: int = 0
+    """Stop injecting after this many faults and end the run after the quiet tail; 0: no
+    limit."""
+    quiet_tail_s: float = QUIET_TAIL_S
+    """No fault starts this close to the end (at least fault_every_s): training follows every
+    fault, long enough to re-sync after a server restart (lease, heartbeat, rejoin backoff)."""
+
+    def tail_s(self) -> float:
+        return max(self.fault_every_s, self.quiet_tail_s)
 
 
 @dataclass
@@ -57,11 +88,18 @@ class Report:
     dead_processes: list[str] = field(default_factory=list)
     faults_without_progress: int = 0
     final_eval_loss: float = float("nan")
-    fault_free_eval_loss: float = float("nan")
+    fault_free_eval_loss: float = float("nan")  # at the tokens the run with faults merged
+    fault_free_final_eval_loss: float = float("nan")  # at the end of the same-length run
+    loss_gap: float = float("nan")  # final / fault-free final eval loss - 1 (same length)
+    loss_gap_equal_tokens: float = float("nan")  # final / fault-free eval loss - 1
     goodput: float = float("nan")
     useful_tokens: int = 0
     capacity_tokens: int = 0
-    duration_s: float = 0.0
+    duration_s: float = 0.0  # of each run
+    faults_per_min: float = 0.0
+    failures: list[str] = field(default_factory=list)  # the verdict: empty when it passed
+    wall_s: float = 0.0  # both runs, start to end
+    command: str = ""
     timeline: list[dict] = field(default_factory=list)
 
 
@@ -93,39 +131,41 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, length_s: float) -> 
 
 @dataclass
 class Run:
-    """One run's faults, the processes dead at its end, and what its daemons reported."""
+    """One run's faults, the processes dead at its end, what its daemons reported, and how
+    long it ran."""
 
     events: list[Event]
     dead: list[str]
     watch: Watch
+    duration_s: float
 
 
-def run(
-    workdir: Path, learners: int, duration_s: float, fault_every_s: float, seed: int, faults: bool
-) -> Run:
+def run(workdir: Path, learners: int, schedule: Schedule, seed: int, faults: bool) -> Run:
     cluster = Cluster(workdir, learners, fragments=FRAGMENTS)
     cluster.start()
     watch = Watch(cluster.daemons, cluster.now)
     watch.start()
     rng = random.Random(seed)
     events: list[Event] = []
+    ends_at, every_s = schedule.duration_s, schedule.fault_every_s
     try:
-        next_fault = fault_every_s
-        while cluster.now() < duration_s:
-            # No fault starts in the last stretch, so every fault is followed by training
-            # (long enough to re-sync after a server restart: lease, heartbeat, rejoin backoff).
-            quiet_tail = cluster.now() > duration_s - max(fault_every_s, QUIET_TAIL_S)
+        next_fault = every_s
+        while cluster.now() < ends_at:
+            quiet_tail = cluster.now() > ends_at - schedule.tail_s()
             if faults and not quiet_tail and cluster.now() >= next_fault:
                 kind = KINDS[len(events) // 2 % len(KINDS)]  # every kind in turn
-                events += inject(cluster, kind, rng, length_s=rng.uniform(1.0, 4.0))
-                next_fault = cluster.now() + fault_every_s * rng.uniform(0.5, 1.5)
-            time.sleep(0.2)
+                events += inject(cluster, kind, rng, rng.uniform(*schedule.fault_length_s))
+                next_fault = cluster.now() + every_s * rng.uniform(0.5, 1.5)
+                if len(events) // 2 == schedule.max_faults:
+                    ends_at = min(ends_at, cluster.now() + schedule.tail_s())
+            time.sleep(min(0.2, every_s / 10))
     finally:
+        duration_s = cluster.now()
         dead = cluster.dead()
         cluster.stop_learners()
         watch.stop()  # after the learners' last merges, before the server goes
         cluster.stop()
-    return Run(events, dead, watch)
+    return Run(events, dead, watch, duration_s)
 
 
 def version_regressions(versions: Iterable[Sequence[int]]) -> int:
@@ -147,9 +187,9 @@ def mean_recent_eval_loss(watch: Watch, before: float = math.inf) -> float:
     return sum(losses) / len(losses) if losses else math.nan
 
 
-def evaluate(duration_s: float, faulty: Run, fault_free: Run) -> Report:
+def evaluate(faulty: Run, fault_free: Run) -> Report:
     events = faulty.events
-    report = Report(duration_s=duration_s, timeline=[asdict(e) for e in events])
+    report = Report(duration_s=faulty.duration_s, timeline=[asdict(e) for e in events])
     for e in events:
         if e.phase == "start":
             report.faults_by_kind[e.kind] = report.faults_by_kind.get(e.kind, 0) + 1
@@ -172,6 +212,10 @@ def evaluate(duration_s: float, faulty: Run, fault_free: Run) -> Report:
     # The fault-free run at the point where it had trained the same (useful) tokens.
     same_tokens_at = time_reaching(free_tokens, report.useful_tokens * FRAGMENTS)
     report.fault_free_eval_loss = mean_recent_eval_loss(fault_free.watch, before=same_tokens_at)
+    report.fault_free_final_eval_loss = mean_recent_eval_loss(fault_free.watch)
+    report.loss_gap = report.final_eval_loss / report.fault_free_final_eval_loss - 1
+    report.loss_gap_equal_tokens = report.final_eval_loss / report.fault_free_eval_loss - 1
+    report.faults_per_min = sum(report.faults_by_kind.values()) / (faulty.duration_s / 60)
     report.invariants_ok = (
         report.version_regressions == 0
         and not report.dead_processes
@@ -180,29 +224,112 @@ def evaluate(duration_s: float, faulty: Run, fault_free: Run) -> Report:
     return report
 
 
-def main() -> int:
+def verdict(report: Report, min_faults: int = 0, max_loss_gap: float | None = None) -> list[str]:
+    """What failed, one line each; empty when the run passed. The loss check is two-sided
+    (a run with faults far better than without is as suspect); NaN losses fail it."""
+    failures = []
+    if report.version_regressions:
+        failures.append(f"{report.version_regressions} fragment versions went backwards")
+    if report.dead_processes:
+        failures.append(f"dead at the end: {', '.join(report.dead_processes)}")
+    if report.faults_without_progress:
+        failures.append(f"{report.faults_without_progress} faults not followed by a round")
+    # A run asked for enough faults must have had every kind (they come in turn); a timed
+    # run on a busy machine may fit fewer, which breaks nothing.
+    missing = [kind for kind in KINDS if not report.faults_by_kind.get(kind)]
+    if missing and min_faults >= len(KINDS):
+        failures.append(f"faults never injected: {', '.join(missing)}")
+    injected = sum(report.faults_by_kind.values())
+    if injected < min_faults:
+        failures.append(f"{injected} faults injected, fewer than {min_faults}")
+    if max_loss_gap is not None and not abs(report.loss_gap) <= max_loss_gap:
+        failures.append(
+            f"final eval loss {report.final_eval_loss:.4f} vs fault-free "
+            f"{report.fault_free_final_eval_loss:.4f} ({report.loss_gap:+.2%}): "
+            f"not within {max_loss_gap:.0%}"
+        )
+    return failures
+
+
+# Each preset fills the settings not given on the command line; DEFAULTS fill the rest.
+DEFAULTS = {
+    "duration_s": 600.0,
+    "fault_every_s": 15.0,
+    "fault_length_s": [1.0, 4.0],
+    "faults": 0,
+    "quiet_tail_s": QUIET_TAIL_S,
+}
+PRESETS = {
+    "quick": {"duration_s": 60.0, "fault_every_s": 6.0},
+    # Faults of under a second; a server kill lasts as long as the server takes to start
+    # again, which sets the pace (docs/RESULTS.md, Chaos). The duration is only a bound.
+    "soak": {
+        "duration_s": 5400.0,
+        "fault_every_s": 1.5,
+        "fault_length_s": [0.2, 1.0],
+        "faults": 1000,
+        "quiet_tail_s": 60.0,
+        "max_loss_gap": 0.03,
+        "report": SOAK_REPORT,
+    },
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="diloco-chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--learners", type=int, default=3)
-    parser.add_argument("--duration-s", type=float, default=600.0)
-    parser.add_argument("--fault-every-s", type=float, default=15.0)
+    parser.add_argument("--duration-s", type=float, help="default 600")
+    parser.add_argument("--fault-every-s", type=float, help="default 15")
+    parser.add_argument(
+        "--fault-length-s", type=float, nargs=2, metavar=("MIN", "MAX"), help="default 1 4"
+    )
+    parser.add_argument("--faults", type=int, help="end after this many faults (default 0: off)")
+    parser.add_argument("--quiet-tail-s", type=float, help="no fault in the last S s (default 10)")
+    parser.add_argument(
+        "--max-loss-gap", type=float, help="fail if |final / fault-free loss - 1| exceeds this"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="60 s with a fault every 6 s")
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="60 s with a fault every 6 s")
+    preset.add_argument("--soak", action="store_true", help="1,000 faults (module docstring)")
     parser.add_argument("--report", type=Path, default=None, help="write the report as JSON")
-    args = parser.parse_args()
-    if args.quick:
-        args.duration_s, args.fault_every_s = 60.0, 6.0
+    args = parser.parse_args(argv)
+    chosen = PRESETS["quick"] if args.quick else PRESETS["soak"] if args.soak else {}
+    for key, value in {**DEFAULTS, **chosen}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    low, high = args.fault_length_s
     if args.learners < 1 or args.duration_s <= 0 or args.fault_every_s <= 0:
         parser.error("--learners, --duration-s and --fault-every-s must be positive")
+    if not 0 < low <= high or args.faults < 0 or not args.quiet_tail_s >= 0:
+        parser.error("--fault-length-s needs 0 < MIN <= MAX; --faults, --quiet-tail-s >= 0")
+    if args.max_loss_gap is not None and not args.max_loss_gap > 0:
+        parser.error(f"--max-loss-gap must be positive, got {args.max_loss_gap}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
     print(f"workdir {root}", flush=True)
-    setup = (args.learners, args.duration_s, args.fault_every_s, args.seed)
-    faulty = run(root / "faults", *setup, faults=True)
-    fault_free = run(root / "fault-free", *setup, faults=False)
-    report = evaluate(args.duration_s, faulty, fault_free)
+    lengths = (args.fault_length_s[0], args.fault_length_s[1])
+    schedule = Schedule(
+        args.duration_s, args.fault_every_s, lengths, args.faults, args.quiet_tail_s
+    )
+    faulty = run(root / "faults", args.learners, schedule, args.seed, faults=True)
+    # Fault-free for as long as the run with faults lasted.
+    same_length = Schedule(faulty.duration_s, args.fault_every_s)
+    fault_free = run(root / "fault-free", args.learners, same_length, args.seed, faults=False)
+    report = evaluate(faulty, fault_free)
+    report.failures = verdict(report, args.faults, args.max_loss_gap)
+    report.wall_s = time.monotonic() - started
+    report.command = shlex.join(["diloco-chaos", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps({k: v for k, v in asdict(report).items() if k != "timeline"}, indent=1))
     if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(asdict(report), indent=1))
-    return 0 if report.invariants_ok else 1
+    return 0 if not report.failures else 1
 
 
 if __name__ == "__main__":

@@ -92,7 +92,11 @@ class StreamDeadlines(grpc.ServerInterceptor):
 
     def _overdue(self, watch: _Watch, now: float) -> str:
         since = watch.waiting_since
-        if since is not None and now - since > self.idle_timeout_s:
+        if since is None:
+            # The server's own work (a received push waiting for an ingest slot, decoded and
+            # added): its time is not the peer's, however long a busy server takes.
+            return ""
+        if now - since > self.idle_timeout_s:
             return "idle"
         if watch.deadline is not None and now > watch.deadline:
             return "slow"

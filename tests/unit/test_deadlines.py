@@ -78,6 +78,28 @@ def test_a_steady_push_and_the_servers_own_work_are_not_cut(deadlines, clock) ->
     assert context.ended == [] and deadlines.cut_counts() == {}
 
 
+def test_a_received_push_is_not_cut_while_the_server_works_on_it(deadlines, clock) -> None:
+    # All bytes in within the payload bound; the handler then waits for an ingest slot and
+    # decodes past it (a busy server): the peer is not waited on, so nothing is cut.
+    context = FakeServicerContext()
+    steps = [(0, header(1000)), (1.0, chunk())]
+
+    def requests() -> Iterator[pb.PushFragmentRequest]:
+        for delay_s, message in steps:
+            clock.now += delay_s
+            yield message
+
+    def handler_work(it, ctx) -> int:
+        received = sum(1 for _ in it)
+        clock.now += 60
+        assert deadlines.sweep() == 0
+        return received
+
+    handler = grpc.stream_unary_rpc_method_handler(handler_work)
+    assert intercepted(deadlines, PUSH, handler).stream_unary(requests(), context) == 2
+    assert context.ended == [] and deadlines.cut_counts() == {}
+
+
 def test_a_pull_is_watched_while_sending_not_while_waiting(deadlines, clock) -> None:
     context = FakeServicerContext()
 
