@@ -102,7 +102,11 @@ def test_the_benchmark_writes_every_row_over_its_seeds(tmp_path, monkeypatch, qu
         dp = variant.kind == "dp"
         return fake_result(1.5 + 0.01 * setup.seed + (0 if dp else 0.02), 600, 400)
 
+    def plot(entries, out_dir):  # matplotlib is a bench extra, not a test dependency
+        (out_dir / "quality_tradeoff.png").write_bytes(b"")
+
     monkeypatch.setattr(quality_runs, "run_variant", train)
+    monkeypatch.setattr(quality, "plot", plot)
     argv = ["quality.py", "--workers", "1", "--out", str(tmp_path), "--seeds", "0", "1", "2"]
     monkeypatch.setattr("sys.argv", argv + (["--quick"] if quick else []))
     assert quality.main() == 0
