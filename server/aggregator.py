@@ -31,13 +31,14 @@ import torch
 from common.errors import FailedPrecondition, InvalidArgument
 from server.config import AggregatorSections
 from server.events import AggregatorEvents
-from server.fragment import FragmentState, PullResult
+from server.fragment import FragmentState, PullResult, RoundSummary
 from server.global_params import GlobalParams, ParamSpec, check_fingerprint
 from server.ingest import DenseBody, PushBody
 from server.intake import PushIntake, PushRefused, check_shapes
 from server.membership import Membership, Session
 from server.persistence import Persistence, Restored, state_identity
 from server.rounds import round_policy
+from server.sharding import ShardMap
 
 __all__ = ["Aggregator", "JoinResult"]
 
@@ -53,6 +54,7 @@ class JoinResult:
     mode: str
     layout: str
     schedule_step: int = 0  # policy.estimated_schedule_step of the other live learners
+    shard_map: ShardMap | None = None  # which shard owns each fragment (server/sharding.py)
 
 
 class Aggregator:
@@ -71,11 +73,11 @@ class Aggregator:
         self._cond = threading.Condition()
         self._members = Membership(config.membership, clock)
         self._rounds = round_policy(config.rounds, config.outer, clock)
-        self._params = GlobalParams(config.streaming, self._rounds.new_outer)
+        self._params = GlobalParams(config.streaming, self._rounds.new_outer, config.sharding)
         self._intake = PushIntake(
             self._members, self._params, self._rounds, config.rounds.max_norm_ratio
         )
-        identity = state_identity(config.streaming, config.rounds.mode)
+        identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
         self._persistence = Persistence(config.persistence, identity, self.events)
         if (restored := self._persistence.restore()) is not None:
             self.resume(restored)
@@ -115,6 +117,7 @@ class Aggregator:
                 mode=self._rounds.mode,
                 layout=self.config.streaming.layout,
                 schedule_step=schedule_step,
+                shard_map=self._params.shard_map,
             )
 
     def heartbeat(
@@ -173,6 +176,11 @@ class Aggregator:
         """(fragment_id, parameter indices, version) of every fragment."""
         with self._cond:
             return self._params.layout()
+
+    def shard_map(self) -> ShardMap | None:
+        """This shard's map of fragment owners; None until the fingerprint is known."""
+        with self._cond:
+            return self._params.shard_map
 
     def live_learners(self) -> list[str]:
         with self._cond:
@@ -293,15 +301,19 @@ class Aggregator:
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
         if self._persistence.round_closed():
             self._snapshot()
-        log.info(
-            "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
-            fragment.fragment_id,
-            summary.version,
-            summary.contributors,
-            summary.tokens,
-            summary.outer_step_s,
-        )
+        _log_round(fragment.fragment_id, summary)
         self._cond.notify_all()
 
     def _snapshot(self) -> None:
         self._persistence.snapshot(self._params.fingerprint or [], self._params.fragments)
+
+
+def _log_round(fragment_id: int, summary: RoundSummary) -> None:
+    log.info(
+        "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
+        fragment_id,
+        summary.version,
+        summary.contributors,
+        summary.tokens,
+        summary.outer_step_s,
+    )
