@@ -117,14 +117,20 @@ class GrpcTransport:
                     session, fragment_id, have_version, wait_for_version, PULL_WAIT_S
                 )
 
-            header, payload = self._retry(call, abandon) if retry else call()
+            header, payload = self._retry(call, abandon, fragment_id) if retry else call()
             if header.version >= wait_for_version:
                 return PullReply(header.kind, header.version, payload, header.params_crc32)
 
-    def _retry(self, call, abandon: threading.Event):
+    def _retry(self, call, abandon: threading.Event, fragment_id: int):
         def note(err: grpc.RpcError, delay_s: float) -> None:
             self.retries += 1
-            log.warning("server unreachable (%s); retrying in %.1f s", err.code().name, delay_s)
+            log.warning(
+                "fragment=%d shard=%d unreachable (%s); retrying in %.1f s",
+                fragment_id,
+                self.shard_of(fragment_id),
+                err.code().name,
+                delay_s,
+            )
 
         if abandon.is_set():
             raise Stopped()
@@ -149,7 +155,9 @@ class GrpcTransport:
             kind=pb.PUSH_KIND_DELTA,
         )
         try:
-            target = self._retry(lambda: self.client.push(header, payload), abandon).round_version
+            target = self._retry(
+                lambda: self.client.push(header, payload), abandon, fragment_id
+            ).round_version
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.ALREADY_EXISTS:
                 # A retry of a push whose first attempt did arrive: it counts once, as it should.

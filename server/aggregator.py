@@ -85,11 +85,7 @@ class Aggregator:
     def resume(self, restored: Restored) -> None:
         """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's)."""
         with self._cond:
-            self._params.restore(restored.fingerprint, restored.fragments)
-            for record in restored.updates:  # one record in memory at a time
-                fragment = self._params.fragments[record.fragment_id]
-                self._rounds.before_replay(fragment, record.outer_every)
-                fragment.apply_mean(record.mean)
+            self._params.restore(restored, self._rounds.before_replay)
 
     def checkpoint(self) -> None:
         """Write a snapshot now (at shutdown, so a restart replays nothing)."""
@@ -177,10 +173,15 @@ class Aggregator:
         with self._cond:
             return self._params.layout()
 
-    def shard_map(self) -> ShardMap | None:
-        """This shard's map of fragment owners; None until the fingerprint is known."""
+    def owned(self) -> tuple[ShardMap | None, list[tuple[int, int, int]]]:
+        """The shard map (None before a fingerprint), (id, version, crc) of owned fragments."""
         with self._cond:
-            return self._params.shard_map
+            shard_map = self._params.shard_map
+            return shard_map, [
+                (f.fragment_id, f.version, f.pull(f.version).params_crc32)
+                for f in self._params.fragments
+                if f.params is not None and (shard_map is None or shard_map.owns(f.fragment_id))
+            ]
 
     def live_learners(self) -> list[str]:
         with self._cond:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.fragments import layout_fragments
@@ -16,6 +17,9 @@ from server.config import ShardingConfig, StreamingConfig
 from server.fragment import FragmentState
 from server.outer import OuterOptimizer
 from server.sharding import ShardMap
+
+if TYPE_CHECKING:  # persistence imports ParamSpec from here
+    from server.persistence import Restored
 
 MAX_MODEL_VALUES = 1 << 40
 
@@ -55,12 +59,19 @@ class GlobalParams:
         elif fingerprint != self.fingerprint:
             raise FailedPrecondition(_fingerprint_mismatch(self.fingerprint, fingerprint))
 
-    def restore(self, fingerprint: list[ParamSpec], states: list[dict]) -> None:
-        """Rebuild the fragments of a state dir's snapshot (FragmentState.state_dict()s)."""
-        fragments = self._build(fingerprint)
-        for fragment, state in zip(fragments, states, strict=True):
+    def restore(
+        self, restored: Restored, before_replay: Callable[[FragmentState, int], None]
+    ) -> None:
+        """Rebuild the fragments of a state dir's snapshot, then replay its log's outer
+        steps, one record in memory at a time (`before_replay`: the round policy's)."""
+        fragments = self._build(restored.fingerprint)
+        for fragment, state in zip(fragments, restored.fragments, strict=True):
             fragment.load_state_dict(state)
-        self.fingerprint, self.fragments = fingerprint, fragments
+        self.fingerprint, self.fragments = restored.fingerprint, fragments
+        for record in restored.updates:
+            fragment = self.fragments[record.fragment_id]
+            before_replay(fragment, record.outer_every)
+            fragment.apply_mean(record.mean)
 
     def fragment(self, fragment_id: int) -> FragmentState:
         """A fragment this shard owns (FailedPrecondition naming the owner otherwise)."""

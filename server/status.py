@@ -40,7 +40,7 @@ def describe_shards(aggregator: Aggregator) -> pb.DescribeShardsResponse:
     """This shard's index, the count, the advertised addresses and (once a learner joined)
     the map id and owners."""
     sharding = aggregator.config.sharding
-    shard_map = aggregator.shard_map()
+    shard_map, _ = aggregator.owned()
     response = pb.DescribeShardsResponse(
         shard_index=sharding.shard_index,
         shard_count=sharding.shard_count,
@@ -57,12 +57,12 @@ def describe_shards(aggregator: Aggregator) -> pb.DescribeShardsResponse:
 def shard_status(aggregator: Aggregator, pushes: PushLog) -> pb.StatusResponse:
     """Live learners, the owned fragments' versions, outer steps taken, last pushes."""
     sharding = aggregator.config.sharding
-    shard_map = aggregator.shard_map()
-    owners = shard_map.owners if shard_map is not None else ()
+    shard_map, owned = aggregator.owned()
     fragments = [
-        pb.FragmentStatus(fragment_id=fid, version=version, owner=owners[fid])
-        for fid, _, version in aggregator.layout()
-        if owners[fid] == sharding.shard_index
+        pb.FragmentStatus(
+            fragment_id=fid, version=version, owner=sharding.shard_index, params_crc32=crc
+        )
+        for fid, version, crc in owned
     ]
     live = set(aggregator.live_learners())
     last = pushes.last()

@@ -263,14 +263,16 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class FragmentStatus(_message.Message):
-    __slots__ = ("fragment_id", "version", "owner")
+    __slots__ = ("fragment_id", "version", "owner", "params_crc32")
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CRC32_FIELD_NUMBER: _ClassVar[int]
     fragment_id: int
     version: int
     owner: int
-    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., owner: _Optional[int] = ...) -> None: ...
+    params_crc32: int
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., owner: _Optional[int] = ..., params_crc32: _Optional[int] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
     __slots__ = ("learner_id", "live", "last_push_fragment", "last_push_version", "last_push_age_s")
