@@ -96,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             body = (
                 {"error": status.code().name}
                 if isinstance(status, grpc.RpcError)
-                else MessageToDict(status, always_print_fields_with_no_presence=True)
+                else MessageToDict(
+                    status,
+                    always_print_fields_with_no_presence=True,
+                    preserving_proto_field_name=True,
+                )
             )
             print(json.dumps({"address": address, **body}))
         else:
