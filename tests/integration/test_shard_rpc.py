@@ -13,6 +13,7 @@ from common.wire import encode_fragment
 from deploy import status
 from learner.client import AggregatorClient
 from learner.shards import SEP, ShardedClient, ShardMapError
+from server.export_state import merge, read_state_params
 from tests.support.processes import learner_process
 
 SHAPES = [(4, 8), (8, 8), (2, 8)]
@@ -139,3 +140,19 @@ def test_the_learner_ends_with_one_error_line_naming_the_shard(start_service, tm
         f"diloco-learner: error: shard 0 at {address(shards[1])} is shard 1: list the shards "
         "in index order"
     )
+
+
+def test_the_shards_state_dirs_export_as_one_model(start_service, tmp_path) -> None:
+    dirs = [tmp_path / f"state-{i}" for i in range(2)]
+    shards = [
+        start_service(fragments=3, shard_index=i, shard_count=2, state_dir=str(d))
+        for i, d in enumerate(dirs)
+    ]
+    client = ShardedClient([address(s) for s in shards])
+    initialize_all(client, client.join("l0", FINGERPRINT).session_id)
+    client.close()
+    for shard in shards:
+        shard.stop(grace_s=0)
+    model = merge([read_state_params(str(d)) for d in dirs])
+    assert list(model) == [spec.name for spec in FINGERPRINT]
+    assert all(torch.equal(t, torch.ones(s)) for t, s in zip(model.values(), SHAPES, strict=True))

@@ -12,6 +12,7 @@ from common.errors import FailedPrecondition
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.global_params import ParamSpec
+from server.main import parse_config
 from server.persistence import state_identity
 from server.sharding import ShardMap, fragment_owners, map_id
 
@@ -137,3 +138,15 @@ def test_a_plain_state_dir_refuses_a_shard(tmp_path) -> None:
         ValueError, match="belongs to shard 0 of 1, and this server is shard 0 of 2"
     ):
         shard(0, 2, state_dir=str(tmp_path))
+
+
+def test_shard_settings_come_from_flags_the_environment_and_a_sharding_table(tmp_path) -> None:
+    toml = tmp_path / "server.toml"
+    toml.write_text("fragments = 4\n[sharding]\nshard_index = 1\nshard_count = 2\n")
+    config = parse_config(["--config", str(toml), "--insecure"])
+    assert (config.sharding.shard_index, config.sharding.shard_count) == (1, 2)
+    environ = {"DILOCO_SHARD_COUNT": "4", "DILOCO_SHARD_INDEX": "3"}
+    config = parse_config(["--config", str(toml), "--insecure"], environ)
+    assert (config.sharding.shard_index, config.sharding.shard_count) == (3, 4)
+    config = parse_config(["--config", str(toml), "--insecure", "--shard-index", "0"], environ)
+    assert config.sharding.shard_index == 0
