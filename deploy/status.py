@@ -88,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         answers = shard_statuses(config.connection)
     except grpc.RpcError as err:  # the one address given, asked for the others
-        parser.exit(1, f"diloco-status: error: {config.connection.server}: {err.code().name}\n")
+        server = config.connection.server
+        parser.exit(1, f"diloco-status: error: cannot reach {server} ({err.code().name})\n")
     except ValueError as err:  # an unreadable token file, a run that lists no addresses
         parser.exit(2, f"diloco-status: error: {err}\n")
     for address, status in answers:
