@@ -48,10 +48,9 @@ def format_shard(address: str, status: pb.StatusResponse | grpc.RpcError) -> lis
         f"shard {status.shard_index} of {status.shard_count} at {address}: "
         f"map {status.map_id or '-'} mode {status.mode} rounds closed {status.rounds_closed}"
     ]
-    if not status.fragments:
-        lines.append("  no fragment has parameters yet")
     for f in status.fragments:
-        lines.append(f"  fragment {f.fragment_id}: version {f.version} crc {f.params_crc32:#010x}")
+        values = f"crc {f.params_crc32:#010x}" if f.version >= 0 else "no parameters yet"
+        lines.append(f"  fragment {f.fragment_id}: version {f.version} {values}")
     for learner in status.learners:
         push = (
             f"last push fragment {learner.last_push_fragment} for version "

@@ -173,15 +173,10 @@ class Aggregator:
         with self._cond:
             return self._params.layout()
 
-    def owned(self) -> tuple[ShardMap | None, list[tuple[int, int, int]]]:
-        """The shard map (None before a fingerprint), (id, version, crc) of owned fragments."""
+    def owned(self, crc: bool = False) -> tuple[ShardMap | None, list[tuple[int, int, int]]]:
+        """The shard map (None before a fingerprint) and GlobalParams.owned(crc)."""
         with self._cond:
-            shard_map = self._params.shard_map
-            return shard_map, [
-                (f.fragment_id, f.version, f.pull(f.version).params_crc32)
-                for f in self._params.fragments
-                if f.params is not None and (shard_map is None or shard_map.owns(f.fragment_id))
-            ]
+            return self._params.shard_map, self._params.owned(crc)
 
     def live_learners(self) -> list[str]:
         with self._cond:

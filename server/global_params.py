@@ -88,6 +88,15 @@ class GlobalParams:
         """The fragment's version, or -2 (below any version) while it does not exist."""
         return self.fragments[fragment_id].version if self.has(fragment_id) else -2
 
+    def owned(self, crc: bool = False) -> list[tuple[int, int, int]]:
+        """(fragment_id, version, params CRC) of each fragment this shard owns; the CRC (as a
+        pull reports it) only with `crc` and once the fragment has parameters, else 0."""
+        return [
+            (f.fragment_id, f.version, f.pull(f.version).params_crc32 if crc and f.params else 0)
+            for f in self.fragments
+            if self.shard_map is None or self.shard_map.owns(f.fragment_id)
+        ]
+
     def layout(self) -> list[tuple[int, list[int], int]]:
         """(fragment_id, parameter indices, version) of every fragment."""
         return [(f.fragment_id, f.param_indices, f.version) for f in self.fragments]

@@ -57,7 +57,7 @@ def describe_shards(aggregator: Aggregator) -> pb.DescribeShardsResponse:
 def shard_status(aggregator: Aggregator, pushes: PushLog) -> pb.StatusResponse:
     """Live learners, the owned fragments' versions, outer steps taken, last pushes."""
     sharding = aggregator.config.sharding
-    shard_map, owned = aggregator.owned()
+    shard_map, owned = aggregator.owned(crc=True)
     fragments = [
         pb.FragmentStatus(
             fragment_id=fid, version=version, owner=sharding.shard_index, params_crc32=crc

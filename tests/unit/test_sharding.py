@@ -84,7 +84,7 @@ def test_a_shard_refuses_fragments_it_does_not_own_naming_the_owner() -> None:
         agg.check_push(session, 2, 0)
     assert agg.version(0) == 0
     shard_map, owned = agg.owned()
-    assert shard_map is not None and [fid for fid, _, _ in owned] == [0]
+    assert shard_map is not None and [(fid, v) for fid, v, _ in owned] == [(0, 0), (3, -1)]
 
 
 def test_one_shard_is_the_plain_server() -> None:
