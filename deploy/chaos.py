@@ -5,12 +5,12 @@
     diloco-chaos --shards 2 --quick                # the aggregator as 2 shards
 
 Starts a server (quorum mode, with a state dir) and K learners as real processes on
-loopback; each learner reaches the server through its own FaultProxy (deploy/cluster.py). On
-a seeded schedule it injects: learner kill -9 + restart, learner SIGSTOP/SIGCONT stalls,
-server kill -9 + restart (same port, same state dir; with --shards N every shard at once), and
-network cuts between one learner and the server; with N > 1 shards also shard kill -9 +
-restart (one shard, while the others go on). Then it runs the same setup without faults for
-the same time, and checks:
+loopback, and runs for the given duration once every learner has joined; each learner
+reaches the server through its own FaultProxy (deploy/cluster.py). On a seeded schedule it
+injects: learner kill -9 + restart, learner SIGSTOP/SIGCONT stalls, server kill -9 + restart
+(same port, same state dir; with --shards N every shard at once), and network cuts between
+one learner and the server; with N > 1 shards also shard kill -9 + restart (one shard, while
+the others go on). Then it runs the same setup without faults for the same time, and checks:
 
 - no learner ever saw a fragment version go backwards (its replica versions, scraped);
 - every process that should be alive at the end is;
@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.retry import wait_until
 from deploy.cluster import Cluster
 from deploy.watch import (
     Watch,
@@ -49,6 +50,7 @@ from deploy.watch import (
 KINDS = ("learner_kill", "learner_stall", "server_kill", "net_cut")
 SHARD_KINDS = ("shard_kill", *KINDS)  # with more than one shard
 QUIET_TAIL_S = 10.0
+JOIN_TIMEOUT_S = 300.0  # bounded, and generous: each learner imports torch first
 FRAGMENTS = 2  # or one per shard, if there are more shards
 
 
@@ -145,11 +147,19 @@ def run(
     rng = random.Random(seed)
     events: list[Event] = []
     try:
-        next_fault = fault_every_s
-        while cluster.now() < duration_s:
+        # The run starts once every learner has joined: on a busy machine starting the
+        # daemons can take a good part of a short run, with nothing yet to break or measure.
+        wait_until(
+            lambda: all(any(p.versions for p in points) for points in watch.learners.values()),
+            JOIN_TIMEOUT_S,
+            "every learner joining",
+        )
+        end = cluster.now() + duration_s
+        next_fault = cluster.now() + fault_every_s
+        while cluster.now() < end:
             # No fault starts in the last stretch, so every fault is followed by training
             # (long enough to re-sync after a server restart: lease, heartbeat, rejoin backoff).
-            quiet_tail = cluster.now() > duration_s - max(fault_every_s, QUIET_TAIL_S)
+            quiet_tail = cluster.now() > end - max(fault_every_s, QUIET_TAIL_S)
             if faults and not quiet_tail and cluster.now() >= next_fault:
                 kind = kinds[len(events) // 2 % len(kinds)]  # every kind in turn
                 events += inject(cluster, kind, rng, length_s=rng.uniform(1.0, 4.0))
