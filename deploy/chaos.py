@@ -161,6 +161,8 @@ def run(
                 kind = kinds[len(events) // 2 % len(kinds)]  # every kind in turn
                 events += inject(cluster, kind, rng, length_s=rng.uniform(1.0, 4.0))
                 next_fault = cluster.now() + fault_every_s * rng.uniform(0.5, 1.5)
+                # A restart slowed by a busy machine may end late: training follows it anyway.
+                end = max(end, cluster.now() + QUIET_TAIL_S)
             time.sleep(0.2)
     finally:
         dead = cluster.dead()
