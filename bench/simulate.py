@@ -68,11 +68,19 @@ class Variant:
     merge_alpha: float = 0.0
     push_codec: str = "fp32"
     pull_codec: str = "fp32"
+    topk_fraction: float = 0.0  # sparse codecs, both ways (0: the codec's default)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)
     outer_momentum_warmup_start: float = 0.5
     warm_start_fraction: float = 0.0  # of the steps, data-parallel before the learners split
+    # More aggregator settings by flat name (mode, robust_merge, max_weight_ratio, ...).
+    server: dict = field(default_factory=dict)
+    # The last `adversaries` learners send their pseudo-gradient times adversary_scale and
+    # claim (and declare at Join) adversary_token_factor times their tokens.
+    adversaries: int = 0
+    adversary_scale: float = -10.0
+    adversary_token_factor: int = 100
 
 
 @dataclass
@@ -81,22 +89,34 @@ class Result:
     eval_loss: float
     curve: list[tuple[int, float]] = field(default_factory=list)  # (total tokens, eval loss)
     bytes_per_learner: int = 0  # sent + received, one learner, whole run
+    push_bytes: int = 0  # of those, sent (the learner that moved the most)
+    pull_bytes: int = 0  # and received
+    syncs: int = 0  # full-parameter syncs of one learner (fragment syncs / P; DP: steps)
+    numel: int = 0  # parameters of the model
     peak_sync_bytes: int = 0  # the most one learner moves in one sync event
     blocked_s: float = 0.0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time for the run (wall_s grows with the load)
 
 
 class InProcessTransport:
-    """The servicer's path without the network: check header, decode, push; pull by version."""
+    """The servicer's path without the network: check header, decode, push; pull by version.
 
-    def __init__(self, aggregator: Aggregator, session_id: str) -> None:
+    An adversarial learner's transport scales each pseudo-gradient by `scale` and multiplies
+    the tokens it claims by `token_factor`."""
+
+    def __init__(
+        self, aggregator: Aggregator, session_id: str, scale: float = 1.0, token_factor: int = 1
+    ) -> None:
         self.aggregator, self.session_id = aggregator, session_id
+        self.scale, self.token_factor = scale, token_factor
 
     def start_sync(
         self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
     ):
         shapes = self.aggregator.check_push(self.session_id, fragment_id, base_version)
-        tensors = decode_fragment(payload, shapes)
+        tensors = [t * self.scale for t in decode_fragment(payload, shapes)]
+        tokens *= self.token_factor
         self.aggregator.push(
             self.session_id, fragment_id, base_version, tensors, tokens, inner_steps
         )
@@ -119,7 +139,7 @@ def load_data(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
     torch.set_num_threads(threads)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     train, val = load_data(setup)
     eval_set = BatchSampler(val, setup.batch_size, setup.block_size, seed=1234)
     eval_batches = [eval_set.next() for _ in range(setup.eval_batches)]
@@ -130,6 +150,7 @@ def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
     else:
         result = _run_diloco(setup, variant, model, train, eval_batches)
     result.wall_s = time.perf_counter() - started
+    result.cpu_s = time.process_time() - cpu_started
     return result
 
 
@@ -192,7 +213,17 @@ def _run_data_parallel(setup, variant, model, train, eval_batches, steps=None) -
     numel = sum(p.numel() for p in model.parameters())
     # Ring all-reduce of fp32 gradients: each learner sends and receives 2(K-1)/K of them.
     per_step = 2 * (2 * (k - 1) / k) * numel * 4
-    return Result(asdict(variant), curve[-1][1], curve, int(per_step * steps), int(per_step))
+    return Result(
+        asdict(variant),
+        curve[-1][1],
+        curve,
+        int(per_step * steps),
+        push_bytes=int(per_step * steps / 2),
+        pull_bytes=int(per_step * steps / 2),
+        syncs=steps,
+        numel=numel,
+        peak_sync_bytes=int(per_step),
+    )
 
 
 def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
@@ -211,16 +242,23 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             lease_s=1e9,
             fragments=variant.fragments,
             pull_codec=variant.pull_codec,
+            **({"pull_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
             outer_lr=variant.outer_lr,
             outer_momentum=variant.outer_momentum,
             outer_momentum_warmup_rounds=variant.outer_momentum_warmup_rounds,
             outer_momentum_warmup_start=variant.outer_momentum_warmup_start,
             # The guard compares a push with its fragment's recent pushes; during a learning
             # rate warm-up each round's pseudo-gradient is legitimately several times the last.
-            max_norm_ratio=0.0,
+            **{"max_norm_ratio": 0.0, **variant.server},
         )
     )
-    sessions = [aggregator.join(f"learner-{i}", specs).session_id for i in range(k)]
+    tokens_per_step = setup.batch_size * setup.block_size
+    honest = k - variant.adversaries
+    factors = [1 if i < honest else variant.adversary_token_factor for i in range(k)]
+    sessions = [
+        aggregator.join(f"learner-{i}", specs, tokens_per_step * factors[i]).session_id
+        for i in range(k)
+    ]
     layout = aggregator.layout()
     params0 = [p.detach().cpu() for p in model.parameters()]
     for fid, indices, _ in layout:
@@ -243,10 +281,16 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             params,
             replicas,
             schedule,
-            InProcessTransport(aggregator, session),
+            InProcessTransport(
+                aggregator,
+                session,
+                scale=1.0 if i < honest else variant.adversary_scale,
+                token_factor=factors[i],
+            ),
             variant.push_codec,
             variant.merge_alpha,
-            tokens_per_step=setup.batch_size * setup.block_size,
+            tokens_per_step=tokens_per_step,
+            **({"push_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
         )
         sync.load_globals()
         sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=data_seed(setup) + i)
@@ -261,7 +305,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
                     eval_params[j].copy_(g)
         return evaluate(eval_model, eval_batches)
 
-    tokens_per_step = setup.batch_size * k * setup.block_size
+    tokens_per_step *= k
     warm = warm_steps  # these steps' tokens are already spent
     curve = [(warm * tokens_per_step, global_loss())]
     local_steps = setup.steps - warm
@@ -280,12 +324,16 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
     final = global_loss()
     curve[-1] = (curve[-1][0], final)
     stats = [sync.stats for *_, sync in learners]
+    most = max(stats, key=lambda s: s.push_bytes + s.pull_bytes)
     return Result(
         asdict(variant),
         final,
         curve,
-        bytes_per_learner=max(s.push_bytes + s.pull_bytes for s in stats)
-        + warm_cost.bytes_per_learner,
+        bytes_per_learner=most.push_bytes + most.pull_bytes + warm_cost.bytes_per_learner,
+        push_bytes=most.push_bytes,
+        pull_bytes=most.pull_bytes,
+        syncs=most.syncs // variant.fragments,
+        numel=sum(p.numel() for p in model.parameters()),
         peak_sync_bytes=max([s.peak_sync_bytes for s in stats] + [warm_cost.peak_sync_bytes]),
         blocked_s=max(s.blocked_s for s in stats),
     )

@@ -391,16 +391,56 @@ static inline __attribute__((always_inline)) int64_t accumulate_blocks(
 }
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-/* With hardware FMA, fmaf is one instruction and the block loops vectorise; elsewhere fmaf is
- * libm's correctly rounded call: the same bits, slower. */
-__attribute__((target("avx2,fma"))) static int64_t accumulate_fma(
+/* accumulate_blocks with the table lookup in registers: a block's 8 magnitudes (grid * scale,
+ * times the weight where the mode rounds that product first) in one vector, each code's value
+ * picked by vpermps on its low 3 bits, its sign (bit 3) xor-ed in. The same float32 products
+ * and sums as accumulate_blocks (negation is exact), without its scalar gather. */
+__attribute__((target("avx2,fma"))) static int64_t accumulate_avx2(
     const uint8_t *packed, const uint8_t *scales, int64_t n, const float *grid, float weight,
     int mode, float *sum)
 {
-    return accumulate_blocks(packed, scales, n, grid, weight, mode, sum);
+    const int64_t n_blocks = (n + BLOCK - 1) / BLOCK, full = n / BLOCK;
+    if (has_nan_scale(scales, n_blocks))
+        return -1;
+    const __m256 grid8 = _mm256_loadu_ps(grid), w = _mm256_set1_ps(weight);
+    const __m128i low_mask = _mm_set1_epi8(0x0F);
+    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+    for (int64_t b = 0; b < full; b++) {
+        __m256 table = _mm256_mul_ps(grid8, _mm256_set1_ps(e8m0_scale(scales[b])));
+        if (mode == ACC_SET)
+            table = _mm256_mul_ps(table, w);
+        else if (mode == ACC_ADD_MUL)
+            table = _mm256_mul_ps(w, table);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(packed + b * (BLOCK / 2)));
+        const __m128i lo = _mm_and_si128(bytes, low_mask);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
+        const __m128i first = _mm_unpacklo_epi8(lo, hi), second = _mm_unpackhi_epi8(lo, hi);
+        const __m256i codes[4] = {
+            _mm256_cvtepu8_epi32(first), _mm256_cvtepu8_epi32(_mm_srli_si128(first, 8)),
+            _mm256_cvtepu8_epi32(second), _mm256_cvtepu8_epi32(_mm_srli_si128(second, 8))};
+        float *dst = sum + b * BLOCK;
+        for (int k = 0; k < 4; k++) {
+            const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(codes[k], 28), sign_bit);
+            const __m256 v = _mm256_xor_ps(_mm256_permutevar8x32_ps(table, codes[k]),
+                                           _mm256_castsi256_ps(sign));
+            __m256 out;
+            if (mode == ACC_SET)
+                out = v;
+            else if (mode == ACC_ADD_FMA)
+                out = _mm256_fmadd_ps(w, v, _mm256_loadu_ps(dst + 8 * k));
+            else
+                out = _mm256_add_ps(_mm256_loadu_ps(dst + 8 * k), v);
+            _mm256_storeu_ps(dst + 8 * k, out);
+        }
+    }
+    if (full < n_blocks) /* the last, partial block */
+        return accumulate_blocks(packed + full * (BLOCK / 2), scales + full, n - full * BLOCK,
+                                 grid, weight, mode, sum + full * BLOCK);
+    return 0;
 }
 #endif
 
+/* Without hardware FMA, fmaf is libm's correctly rounded call: the same bits, slower. */
 static int64_t accumulate_portable(const uint8_t *packed, const uint8_t *scales, int64_t n,
                                    const float *grid, float weight, int mode, float *sum)
 {
@@ -416,7 +456,7 @@ int64_t fp4_accumulate(const uint8_t *packed, const uint8_t *scales, int64_t n,
 {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return accumulate_fma(packed, scales, n, grid, weight, mode, sum);
+        return accumulate_avx2(packed, scales, n, grid, weight, mode, sum);
 #endif
     return accumulate_portable(packed, scales, n, grid, weight, mode, sum);
 }

@@ -28,6 +28,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.atomic import atomic_path
@@ -42,6 +43,9 @@ SOURCE = Path(__file__).with_name("fp4_kernel.c")
 CFLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off"]
 CHOICES = ("auto", "native", "torch")
 
+# Wire bytes the kernel reads in place: bytes, or a view of a receive buffer.
+Buffer = bytes | bytearray | memoryview
+
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -55,11 +59,11 @@ class Kernel:
         lib.fp4_quantize.restype = None
         lib.fp4_dequantize.argtypes = [ptr, ptr, i64, ptr, ptr]
         lib.fp4_dequantize.restype = i64
-        # Wire bytes go in as `bytes` (c_char_p): read in place, no copy.
-        text, f32 = ctypes.c_char_p, ctypes.c_float
-        lib.fp4_stats.argtypes = [text, text, i64, ptr, ctypes.POINTER(f64), ctypes.POINTER(f32)]
+        # Wire bytes go in by address (_address): read in place, no copy.
+        f32 = ctypes.c_float
+        lib.fp4_stats.argtypes = [ptr, ptr, i64, ptr, ctypes.POINTER(f64), ctypes.POINTER(f32)]
         lib.fp4_stats.restype = i64
-        lib.fp4_accumulate.argtypes = [text, text, i64, ptr, f32, cint, ptr]
+        lib.fp4_accumulate.argtypes = [ptr, ptr, i64, ptr, f32, cint, ptr]
         lib.fp4_accumulate.restype = i64
         lib.topk_select.argtypes = [ptr, i64, i64, i64, ptr]
         lib.topk_select.restype = None
@@ -105,23 +109,26 @@ class Kernel:
         return out, int(status)
 
     def stats(
-        self, payload: bytes, scales: bytes, numel: int, grid: torch.Tensor
+        self, payload: Buffer, scales: Buffer, numel: int, grid: torch.Tensor
     ) -> tuple[int, float, float]:
         """(status, sum of squares in float64, largest magnitude) of packed values, read in
         place; status as in `dequantize` (-1 NaN scale, else the count of infinities)."""
         _check_lengths(payload, scales, numel)
         squares, max_abs = ctypes.c_double(), ctypes.c_float()
+        (codes, code_ptr), (scale_bytes, scale_ptr) = _address(payload), _address(scales)
         status = self._lib.fp4_stats(
-            payload, scales, numel, grid.data_ptr(), ctypes.byref(squares), ctypes.byref(max_abs)
-        )
+            code_ptr, scale_ptr, numel, grid.data_ptr(), ctypes.byref(squares),
+            ctypes.byref(max_abs),
+        )  # fmt: skip
+        del codes, scale_bytes  # kept alive across the call
         if status == -2:
             raise ValueError("fp4 grid squares are not whole 16-bit units of a power of two")
         return int(status), squares.value, max_abs.value
 
     def accumulate(
         self,
-        payload: bytes,
-        scales: bytes,
+        payload: Buffer,
+        scales: Buffer,
         numel: int,
         grid: torch.Tensor,
         weight: float,
@@ -135,11 +142,12 @@ class Kernel:
             raise ValueError(f"accumulate needs a contiguous float32 tensor of {numel} values")
         if mode not in (ACC_SET, ACC_ADD_FMA, ACC_ADD_MUL):
             raise ValueError(f"unknown accumulate mode {mode}")
-        return int(
-            self._lib.fp4_accumulate(
-                payload, scales, numel, grid.data_ptr(), weight, mode, out.data_ptr()
-            )
+        (codes, code_ptr), (scale_bytes, scale_ptr) = _address(payload), _address(scales)
+        status = self._lib.fp4_accumulate(
+            code_ptr, scale_ptr, numel, grid.data_ptr(), weight, mode, out.data_ptr()
         )
+        del codes, scale_bytes  # kept alive across the call
+        return int(status)
 
     def topk_select(self, rows: torch.Tensor, k: int) -> torch.Tensor:
         """The sparse codec's kept indices (int64, (rows, k), ascending) of a contiguous 2-D
@@ -197,7 +205,13 @@ class Kernel:
         return modes.pop() if len(modes) == 1 else None
 
 
-def _check_lengths(payload: bytes, scales: bytes, numel: int) -> None:
+def _address(data: Buffer) -> tuple[np.ndarray, int]:
+    """A uint8 array over `data` (no copy) and the address of its first byte."""
+    array = np.frombuffer(data, dtype=np.uint8)
+    return array, array.ctypes.data
+
+
+def _check_lengths(payload: Buffer, scales: Buffer, numel: int) -> None:
     """The C kernel trusts these lengths: a short buffer would be read past its end."""
     if len(payload) < (numel + 1) // 2 or len(scales) < (numel + 31) // 32:
         raise ValueError(

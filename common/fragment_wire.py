@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from common.checksum import crc32
@@ -186,13 +187,14 @@ def _varint(value: int) -> bytes:
 @dataclass(frozen=True)
 class WireTensor:
     """One tensor whose shape, lengths, checksum and scale bytes are checked; its values are
-    still in their wire encoding (not yet known to be finite)."""
+    still in their wire encoding (not yet known to be finite). `payload` and `scales` are
+    bytes, or views of the buffer a push was received into (parse_fragment_view)."""
 
     codec: int
     shape: tuple[int, ...]
     numel: int
-    payload: bytes
-    scales: bytes
+    payload: bytes | memoryview
+    scales: bytes | memoryview
     sparse_k: int = 0
     # Sparse codecs: the kept entries' flat positions (int64) and float32 values, checked
     # (common/sparse_wire.py); their size is in proportion to the payload's.
@@ -202,29 +204,49 @@ class WireTensor:
 def check_tensor(msg: pb.EncodedTensor, expected_shape: Sequence[int] | None = None) -> WireTensor:
     """Check a tensor's header, lengths, checksum and scale bytes, decoding nothing and
     allocating nothing in proportion to the size it claims; raises InvalidArgument."""
-    shape = tuple(msg.shape)
+    # Each read of payload or scales copies out of the message: once.
+    fields = (msg.codec, tuple(msg.shape), msg.payload, msg.scales, msg.crc32, msg.sparse_k)
+    return _check_fields(*fields, expected_shape)
+
+
+def _check_fields(
+    codec: int,
+    shape: tuple[int, ...],
+    payload: bytes | memoryview,
+    scales: bytes | memoryview,
+    crc: int,
+    sparse_k: int,
+    expected_shape: Sequence[int] | None,
+) -> WireTensor:
     if any(dim < 0 for dim in shape):
         raise InvalidArgument(f"negative dimension in shape {shape}")
     if expected_shape is not None and shape != tuple(expected_shape):
         raise InvalidArgument(f"shape {shape} does not match expected {tuple(expected_shape)}")
     numel = math.prod(shape)
-    check_k(msg.codec, msg.sparse_k)
-    payload_len, scales_len = encoded_sizes(msg.codec, numel, msg.sparse_k)
-    payload, scales = msg.payload, msg.scales  # each read copies out of the message: once
+    check_k(codec, sparse_k)
+    payload_len, scales_len = encoded_sizes(codec, numel, sparse_k)
     if len(payload) != payload_len or len(scales) != scales_len:
         raise InvalidArgument(
-            f"{CODEC_NAMES.get(msg.codec)} tensor of shape {shape} needs {payload_len} payload "
+            f"{CODEC_NAMES.get(codec)} tensor of shape {shape} needs {payload_len} payload "
             f"and {scales_len} scale bytes, got {len(payload)} and {len(scales)}"
         )
-    if tensor_crc32(payload, scales, msg.sparse_k) != msg.crc32:
+    if tensor_crc32(payload, scales, sparse_k) != crc:
         raise InvalidArgument("tensor checksum mismatch")
-    if msg.codec in SPARSE_CODECS:
-        check_scales(msg.codec, scales)
-        entries = sparse_entries(msg.codec, payload, scales, numel, msg.sparse_k)
-        return WireTensor(msg.codec, shape, numel, payload, scales, msg.sparse_k, entries)
-    if E8M0_NAN in scales:
+    if codec in SPARSE_CODECS:
+        payload, scales = bytes(payload), bytes(scales)  # small: a fraction of the values
+        check_scales(codec, scales)
+        entries = sparse_entries(codec, payload, scales, numel, sparse_k)
+        return WireTensor(codec, shape, numel, payload, scales, sparse_k, entries)
+    if _has_nan_scale(scales):
         raise InvalidArgument(NAN_SCALE)
-    return WireTensor(msg.codec, shape, numel, payload, scales)
+    return WireTensor(codec, shape, numel, payload, scales)
+
+
+def _has_nan_scale(scales: bytes | memoryview) -> bool:
+    if isinstance(scales, bytes):
+        return E8M0_NAN in scales  # memchr
+    # 255 is the largest byte: a view holds it exactly when that is its maximum.
+    return len(scales) > 0 and int(np.frombuffer(scales, dtype=np.uint8).max()) == E8M0_NAN
 
 
 def parse_fragment(
@@ -245,6 +267,22 @@ def parse_fragment(
     return check_fragment(msg, shapes)
 
 
+def parse_fragment_view(data: memoryview, shapes: Sequence[Sequence[int]]) -> Iterator[WireTensor]:
+    """parse_fragment without a copy: the tensors' payloads and scales are views of `data`
+    (valid while it is). Reads the writer's own layout (fields in number order, each once,
+    no unknown ones, shapes packed); any other valid protobuf encoding of the message goes
+    through protobuf as parse_fragment, so both accept and refuse the same payloads with the
+    same words (tests/unit/test_fragment_wire.py)."""
+    tensors = _scan_fragment(data)
+    if tensors is None:
+        return parse_fragment(bytes(data), shapes)
+    if len(tensors) != len(shapes):
+        raise InvalidArgument(f"fragment has {len(tensors)} tensors, expected {len(shapes)}")
+    if len({fields[0] for fields in tensors}) > 1:
+        raise InvalidArgument("all tensors of a fragment must use one codec")
+    return (_check_fields(*fields, 0, shape) for fields, shape in zip(tensors, shapes, strict=True))
+
+
 def check_fragment(
     msg: pb.EncodedFragment, shapes: Sequence[Sequence[int]]
 ) -> Iterator[WireTensor]:
@@ -256,6 +294,88 @@ def check_fragment(
     if len({t.codec for t in msg.tensors}) > 1:
         raise InvalidArgument("all tensors of a fragment must use one codec")
     return (check_tensor(t, shape) for t, shape in zip(msg.tensors, shapes, strict=True))
+
+
+# (codec, shape, payload, scales, crc32) of one EncodedTensor, as _check_fields takes them.
+_Fields = tuple[int, tuple[int, ...], memoryview, memoryview, int]
+
+
+def _scan_fragment(data: memoryview) -> list[_Fields] | None:
+    """The tensors of a serialized EncodedFragment in the writer's layout, as views of
+    `data`; None for anything else (another valid encoding, or not a message at all)."""
+    tensors, pos, end = [], 0, len(data)
+    while pos < end:
+        tag, pos = _read_varint(data, pos)
+        if tag != (1 << 3 | _LENGTH_DELIMITED) or pos < 0:
+            return None
+        size, pos = _read_varint(data, pos)
+        if pos < 0 or pos + size > end:
+            return None
+        fields = _scan_tensor(data[pos : pos + size])
+        if fields is None:
+            return None
+        tensors.append(fields)
+        pos += size
+    return tensors
+
+
+def _scan_tensor(data: memoryview) -> _Fields | None:
+    codec, shape, crc, empty = 0, (), 0, data[:0]
+    payload = scales = empty
+    pos, end, last = 0, len(data), 0
+    while pos < end:
+        tag, pos = _read_varint(data, pos)
+        number, kind = tag >> 3, tag & 7
+        if pos < 0 or number <= last or number > 5:
+            return None  # out of order, repeated, unknown or malformed
+        last = number
+        if number in (1, 5):
+            if kind != 0:
+                return None
+            value, pos = _read_varint(data, pos)
+            # protobuf truncates a larger varint to the field's width: leave that to it.
+            if pos < 0 or value >= (1 << 31 if number == 1 else 1 << 32):
+                return None
+            codec, crc = (value, crc) if number == 1 else (codec, value)
+            continue
+        if kind != _LENGTH_DELIMITED:
+            return None
+        size, pos = _read_varint(data, pos)
+        if pos < 0 or pos + size > end:
+            return None
+        value_bytes, pos = data[pos : pos + size], pos + size
+        if number == 2:
+            shape = _packed_int64(value_bytes)
+            if shape is None:
+                return None
+        elif number == 3:
+            payload = value_bytes
+        else:
+            scales = value_bytes
+    return codec, shape, payload, scales, crc
+
+
+def _packed_int64(data: memoryview) -> tuple[int, ...] | None:
+    values, pos = [], 0
+    while pos < len(data):
+        value, pos = _read_varint(data, pos)
+        if pos < 0:
+            return None
+        values.append(value - (1 << 64) if value >= 1 << 63 else value)
+    return tuple(values)
+
+
+def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it); position -1 for a truncated or over-long varint."""
+    value, shift = 0, 0
+    while pos < len(data) and shift < 64:
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return (value, pos) if value < 1 << 64 else (0, -1)
+        shift += 7
+    return 0, -1
 
 
 def parse_updates(data: bytes, have_version: int) -> list[pb.EncodedFragment]:

@@ -75,8 +75,9 @@ class DilocoSync:
         """`settings`: the connection and sync settings of `diloco-learner --help` (server,
         learner_id, TLS, sync_every_steps, ...), or all of them at once as `config`.
         `tokens_per_step`: the tokens (or samples) one inner step trains on, which the server
-        weights pushes by. `stop`: set it (e.g. from a signal handler) to interrupt a wait at
-        a merge, which then raises Stopped."""
+        weights pushes by; declared at Join, it bounds what each push may claim. `stop`: set
+        it (e.g. from a signal handler) to interrupt a wait at a merge, which then raises
+        Stopped."""
         if config is not None and settings:
             raise ValueError("give DilocoSync either config or settings, not both")
         if tokens_per_step < 1:

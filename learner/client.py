@@ -43,11 +43,16 @@ class AggregatorClient:
         """Block until the channel connects; raises grpc.FutureTimeoutError otherwise."""
         grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
 
-    def join(self, learner_id: str, fingerprint: Sequence[pb.ParamSpec]) -> pb.JoinResponse:
+    def join(
+        self, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens_per_step: int = 0
+    ) -> pb.JoinResponse:
+        """Open a session. `tokens_per_step` (0: not declared) bounds the tokens this
+        learner's pushes may claim (server/influence.py)."""
         request = pb.JoinRequest(
             learner_id=learner_id,
             fingerprint=fingerprint,
             codecs=list(CODECS.values()),
+            tokens_per_step=tokens_per_step,
         )
         return self._unary(self._stub.Join, request)
 

@@ -202,7 +202,8 @@ class SyncSession:
     def _join(self, resume: list[SavedReplica] | None = None) -> None:
         cfg = self.config.sync
         self.transport.abandon_in_flight()  # they belong to the old session, if any
-        reply = self.client.join(self.learner_id, self.fingerprint)
+        # The tokens of one step, declared: the server refuses pushes that claim more.
+        reply = self.client.join(self.learner_id, self.fingerprint, self.tokens_per_step)
         # One object: a heartbeat that already uses the new session sees the new epoch.
         self.membership = Membership(reply.session_id, reply.server_epoch, reply.lease_s)
         log.info(

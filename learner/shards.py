@@ -107,14 +107,18 @@ class ShardedClient:
         """One client per shard, in index order (after discover(), every shard's)."""
         return list(self._clients)
 
-    def join(self, learner_id: str, fingerprint: Sequence[pb.ParamSpec]) -> pb.JoinResponse:
-        """Join every shard; one reply whose session and epoch stand for all of them."""
+    def join(
+        self, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens_per_step: int = 0
+    ) -> pb.JoinResponse:
+        """Join every shard (AggregatorClient.join's arguments); one reply whose session and
+        epoch stand for all of them."""
         self.discover()
+        join = (learner_id, fingerprint, tokens_per_step)
         if len(self._clients) == 1:
-            reply = self._clients[0].join(learner_id, fingerprint)
+            reply = self._clients[0].join(*join)
             self._remember(reply, [0] * len(reply.fragments), [reply.server_epoch])
             return reply
-        replies = [self._join_shard(i, learner_id, fingerprint) for i in range(self.shard_count)]
+        replies = [self._join_shard(i, *join) for i in range(self.shard_count)]
         check_agreement(replies, self.addresses)
         owners = list(replies[0].fragment_owners)
         reply = pb.JoinResponse()
@@ -199,10 +203,10 @@ class ShardedClient:
         return client
 
     def _join_shard(
-        self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec]
+        self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens: int
     ) -> pb.JoinResponse:
         try:
-            return self._clients[shard].join(learner_id, fingerprint)
+            return self._clients[shard].join(learner_id, fingerprint, tokens)
         except grpc.RpcError as err:
             if is_retryable(err):
                 raise  # the session backs off and joins again

@@ -33,6 +33,7 @@ from server.config import AggregatorSections
 from server.events import AggregatorEvents
 from server.fragment import FragmentState, PullResult, RoundSummary
 from server.global_params import GlobalParams, ParamSpec, check_fingerprint
+from server.influence import check_tokens_per_step
 from server.ingest import DenseBody, PushBody
 from server.intake import PushIntake, PushRefused, check_shapes
 from server.membership import Membership, Session
@@ -74,9 +75,7 @@ class Aggregator:
         self._members = Membership(config.membership, clock)
         self._rounds = round_policy(config.rounds, config.outer, clock)
         self._params = GlobalParams(config.streaming, self._rounds.new_outer, config.sharding)
-        self._intake = PushIntake(
-            self._members, self._params, self._rounds, config.rounds.max_norm_ratio
-        )
+        self._intake = PushIntake(self._members, self._params, self._rounds, self.events)
         identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
         self._persistence = Persistence(config.persistence, identity, self.events)
         if (restored := self._persistence.restore()) is not None:
@@ -94,17 +93,20 @@ class Aggregator:
                 self._snapshot()
                 self._persistence.close()
 
-    def join(self, learner_id: str, fingerprint: Sequence[ParamSpec]) -> JoinResult:
-        """Open a session; the first learner's fingerprint fixes the model for the run."""
+    def join(
+        self, learner_id: str, fingerprint: Sequence[ParamSpec], tokens_per_step: int = 0
+    ) -> JoinResult:
+        """Open a session; the first fingerprint fixes the model, tokens_per_step the claims."""
         if not learner_id:
             raise InvalidArgument("learner_id must not be empty")
         specs = check_fingerprint(fingerprint)
+        check_tokens_per_step(tokens_per_step)
         with self._cond:
             self._params.adopt(specs)
             for old in self._members.of_learner(learner_id):
                 self._drop(old, "rejoined")
             schedule_step = self._members.schedule_estimate()
-            session = self._members.open(learner_id)
+            session = self._members.open(learner_id, tokens_per_step)
             return JoinResult(
                 session_id=session.session_id,
                 server_epoch=self.server_epoch,
@@ -219,9 +221,7 @@ class Aggregator:
                 session_id, fragment_id, base_version, initial=False
             )
             try:
-                self._intake.add(
-                    session.learner_id, fragment, base_version, body, tokens, inner_steps
-                )
+                self._intake.add(session, fragment, base_version, body, tokens, inner_steps)
             except PushRefused as err:
                 self._maybe_close(fragment)  # it may have been the round's last learner
                 raise FailedPrecondition(f"push refused: {err}") from err

@@ -28,6 +28,7 @@ from server.deadlines import StreamDeadlines
 from server.inflight import InFlightLimit
 from server.metrics import ServerMetrics
 from server.ratelimit import RateLimit
+from server.receive import PushBudget
 from server.servicer import AggregatorServicer
 
 log = logging.getLogger("diloco.server")
@@ -73,7 +74,8 @@ class AggregatorService:
             interceptors=tuple(i for i in chain if i is not None),
             max_concurrent_streams=limits.max_concurrent_streams,
         )
-        self.servicer = AggregatorServicer(self.aggregator)
+        budget = PushBudget(int(limits.push_memory_budget_mb * 2**20), limits.push_budget_wait_s)
+        self.servicer = AggregatorServicer(self.aggregator, push_budget=budget)
         self.metrics.watch(self.aggregator, self.servicer, self.rate_limit, self.in_flight)
         self.metrics.watch_cuts(self.deadlines, self.auth)
         pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)

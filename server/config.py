@@ -13,8 +13,10 @@ or in its section's table (common/config.py).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -24,6 +26,7 @@ from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
 from common.sparse import DEFAULT_TOPK_FRACTION
 from common.tls import server_credentials
+from server.influence import ROBUST_MERGES
 from server.policy import MODES, WEIGHTINGS
 
 
@@ -67,6 +70,17 @@ class RoundsConfig:
     max_norm_ratio: float = 10.0
     """Refuse a push whose pseudo-gradient norm exceeds this many times the median of the
     fragment's recent accepted pushes (a poisoned or exploding update); 0: off."""
+    max_weight_ratio: float = 4.0
+    """A push weighs at most this many times the median of the other live learners' last
+    weights, whatever tokens it claims (server/influence.py); 0: off. 4 lets an honest
+    learner do twice the median's tokens per step under tokens_squared_per_step."""
+    robust_merge: str = "none"
+    """none (the weighted mean), trimmed-mean (value by value, drop the trim_fraction
+    largest and smallest of a round's pushes; sync and quorum modes) or clip-to-median
+    (scale each push down to the fragment's recent median norm): for untrusted learners."""
+    trim_fraction: float = 0.2
+    """trimmed-mean: the share of a round's K pushes dropped at each end, at least one when
+    K >= 3 (server/influence.py)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,24 +99,59 @@ class RoundsConfig:
             raise ValueError("grace_steps, max_staleness and async_momentum_every must be >= 0")
         if not self.max_norm_ratio >= 0:
             raise ValueError(f"max_norm_ratio must be >= 0, got {self.max_norm_ratio}")
+        if not (self.max_weight_ratio == 0 or 1 <= self.max_weight_ratio < math.inf):
+            raise ValueError(
+                f"max_weight_ratio must be 0 (off) or >= 1, got {self.max_weight_ratio}"
+            )
+        if self.robust_merge not in ROBUST_MERGES:
+            raise ValueError(
+                f"robust_merge must be one of {', '.join(ROBUST_MERGES)}, got {self.robust_merge!r}"
+            )
+        if self.robust_merge == "trimmed-mean" and self.mode == "async":
+            raise ValueError(
+                "robust_merge trimmed-mean needs rounds of several pushes (sync or quorum "
+                "mode); in async mode use clip-to-median"
+            )
+        if not 0 < self.trim_fraction < 0.5:
+            raise ValueError(f"trim_fraction must be in (0, 0.5), got {self.trim_fraction}")
+
+
+RECIPES = ("best", "paper")
+
+
+def outer_recipe(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The outer settings of the recipe named in `values` (the dataclass defaults are best,
+    less the momentum warm-up in async mode, which has no rounds to warm up over)."""
+    if values.get("recipe") == "paper":
+        return {"outer_momentum_warmup_rounds": 0, "pull_codec": "fp4_e3m0"}
+    if values.get("mode") == "async":
+        return {"outer_momentum_warmup_rounds": 0}
+    return {}
 
 
 @dataclass(kw_only=True)
 class OuterConfig:
     """The outer optimizer's step (server/outer.py)."""
 
+    recipe: str = "best"
+    """best: the defaults below, the best measured training from scratch (docs/RESULTS.md;
+    async mode: no momentum warm-up); paper: DiLoCo's outer step exactly (no momentum
+    warm-up) and Streaming DiLoCo's fp4_e3m0 pulls, for the settings not given (pair it with
+    the learners' --recipe paper)."""
     outer_lr: float = 0.7
     """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum (0.9 in DiLoCo)."""
-    outer_momentum_warmup_rounds: int = 0
+    outer_momentum_warmup_rounds: int = 20
     """sync/quorum: raise the outer momentum linearly from outer_momentum_warmup_start to
     outer_momentum over each fragment's first N outer steps (0: off, torch's SGD exactly).
-    Helps a model trained from scratch (README, quality results)."""
+    Helps a model trained from scratch (docs/RESULTS.md, quality)."""
     outer_momentum_warmup_start: float = 0.5
     """The outer momentum of the first outer step when the warm-up is on."""
 
     def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -142,6 +191,11 @@ class StreamingConfig:
     """Sparse pull codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
     update_log_versions: int = 16
     """Quantized updates kept per fragment; a learner further behind gets a snapshot."""
+    update_log_fraction: float = 0.5
+    """The kept updates' bytes stay within this fraction of a snapshot's (fp32 parameters):
+    the server holds that much of a model copy per fragment for catch-up pulls. A learner
+    further behind pulls a snapshot, at most 1/fraction times the bytes of the chain it
+    would have pulled (fp4: 3 versions at 0.5, 7 at 1)."""
 
     def __post_init__(self) -> None:
         if self.fragments < 1:
@@ -157,6 +211,10 @@ class StreamingConfig:
             raise ValueError(f"pull_topk_fraction must be in (0, 1], got {self.pull_topk_fraction}")
         if self.update_log_versions < 1:
             raise ValueError(f"update_log_versions must be >= 1, got {self.update_log_versions}")
+        if not 0 < self.update_log_fraction <= 1:
+            raise ValueError(
+                f"update_log_fraction must be > 0 and <= 1, got {self.update_log_fraction}"
+            )
 
 
 @dataclass(kw_only=True)
@@ -268,6 +326,15 @@ class LimitsConfig:
     """Calls one learner may have open at the same time (0: no limit). Each open call holds
     one of the server's worker threads (a long-poll for up to a minute), so this stops a
     few learners from starving the rest; our learners have at most three open at once."""
+    push_memory_budget_mb: float = 256.0
+    """Push payload bytes the server holds at once, all pushes together: a push's announced
+    size is reserved before its payload is read (server/receive.py). Must hold the largest
+    push (a fragment in fp32 when learners push fp32)."""
+    push_budget_wait_s: float = 0.0
+    """How long a push waits for room in push_memory_budget_mb before it is refused with
+    RESOURCE_EXHAUSTED and a retry hint (learners retry it). 0: refused at once. A waiting
+    push holds what gRPC's flow control lets its sender send meanwhile (up to the link's
+    bandwidth-delay product), so waiting trades memory for fewer retries."""
     worker_threads: int = 256
     """Threads that run calls; every open call holds one. Sized for a few hundred learners."""
     max_concurrent_streams: int = 100
@@ -285,6 +352,10 @@ class LimitsConfig:
             raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
         if self.max_calls_in_flight < 0:
             raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
+        if not self.push_memory_budget_mb > 0:
+            raise ValueError(f"push_memory_budget_mb must be > 0, got {self.push_memory_budget_mb}")
+        if not 0 <= self.push_budget_wait_s <= 3600:
+            raise ValueError(f"push_budget_wait_s must be 0 to 3600, got {self.push_budget_wait_s}")
         if self.worker_threads < 1 or self.max_concurrent_streams < 1:
             raise ValueError("worker_threads and max_concurrent_streams must be >= 1")
         if not self.stream_idle_timeout_s >= 0 or not self.stream_min_bytes_per_s >= 0:
@@ -333,6 +404,8 @@ class AggregatorConfig:
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
+    recipe_values = staticmethod(outer_recipe)
+
     def __post_init__(self) -> None:
         check_aggregator_sections(self)
 
@@ -351,6 +424,8 @@ class ServerConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+    recipe_values = staticmethod(outer_recipe)
 
     def __post_init__(self) -> None:
         check_aggregator_sections(self)

@@ -16,5 +16,9 @@ class AggregatorEvents:
     def round_closed(self, contributors: int, round_s: float, outer_step_s: float) -> None:
         """A round closed: how many pushes it took, how long it stayed open, the outer step."""
 
+    def influence_bounded(self, action: str) -> None:
+        """One push was bounded (server/influence.py): `action` is weight_capped,
+        norm_clipped or claim_refused."""
+
     def snapshot_written(self, seconds: float) -> None:
         """A durable snapshot of the whole state was written."""

@@ -54,6 +54,9 @@ class Round:
     # Σ weight·discount·max|Δ|: a bound on max|delta_sum|, so a push that could overflow the
     # float32 sum is refused before it is added (Aggregator.push).
     abs_bound: float = 0.0
+    # With robust_merge trimmed-mean: each push's discounted Δ, which the trimmed mean
+    # replaces the weighted sum with at the close (server/rounds.py); else None.
+    kept: list[list[torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class FragmentState:
         outer: OuterOptimizer,
         pull_codec: str,
         update_log_versions: int,
+        update_log_fraction: float = 1.0,
         pull_sparse_k: int = DEFAULT_SPARSE_K,
     ) -> None:
         self.fragment_id = fragment_id
@@ -112,6 +116,7 @@ class FragmentState:
         # update) for the newest versions: serialized once, shared by every pull's chain.
         self._updates: deque[tuple[int, bytes]] = deque()
         self._update_log_versions = update_log_versions
+        self._update_log_fraction = update_log_fraction  # of a snapshot's bytes (_log_update)
         self._update_bytes = 0  # Σ len(data) over _updates
         self._snapshot: PullResult | None = None
         self._params_lock = threading.Lock()  # TensorBytes reads vs. freezing before a step
@@ -137,12 +142,16 @@ class FragmentState:
         tokens: int,
         weight: float = 1.0,
         discount: float = 1.0,
+        keep: bool = False,
     ) -> None:
         """Add a pseudo-gradient with its weight and staleness discount to the open round.
 
         A PushBody is decoded into the sum a chunk at a time (server/ingest.py): no
-        per-learner float32 copy of the fragment is ever made."""
+        per-learner float32 copy of the fragment is made unless `keep` asks for one (the
+        discounted Δ, for a trimmed mean)."""
         rnd, scale = self.round, weight * discount
+        if keep:
+            rnd.kept = (rnd.kept or []) + [body.add_to(None, discount)]
         if rnd.delta_sum is None and self._spare_sum is not None:
             rnd.delta_sum = body.add_to(self._spare_sum, scale, overwrite=True)
             self._spare_sum = None
@@ -280,12 +289,15 @@ class FragmentState:
 
     def _log_update(self, data: bytes) -> None:
         """Keep the quantized update; drop the oldest ones beyond `update_log_versions` or
-        beyond a snapshot's size in all: a longer chain is never sent (pull() answers with
-        the snapshot instead), so those bytes would only hold memory."""
+        beyond `update_log_fraction` of a snapshot's size in all. A chain longer than a
+        snapshot is never sent (pull() answers with the snapshot instead), so a fraction of
+        1 costs no pull bandwidth; below 1 a learner that far behind pulls a snapshot of at
+        most 1/fraction times the chain's bytes, and the server holds that much less."""
         self._updates.append((self.version, data))
         self._update_bytes += len(data)
         while len(self._updates) > self._update_log_versions or (
-            len(self._updates) > 1 and self._update_bytes > 4 * self._numel
+            len(self._updates) > 1
+            and self._update_bytes > self._update_log_fraction * 4 * self._numel
         ):
             self._update_bytes -= len(self._updates.popleft()[1])
 

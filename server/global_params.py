@@ -122,6 +122,7 @@ class GlobalParams:
                 pull_codec=cfg.pull_codec,
                 pull_sparse_k=topk_k(cfg.pull_topk_fraction),
                 update_log_versions=cfg.update_log_versions,
+                update_log_fraction=cfg.update_log_fraction,
             )
             for fid, indices in enumerate(groups)
         ]

@@ -18,7 +18,9 @@ the packed codes each, reading the wire bytes in place, with the GIL released so
 in other slots proceed in parallel. Profiled (bench/ingest.py --quick, py-spy), the torch
 chunk path spends ~27 ms per 4 M-value push on the checks and ~17 ms under the lock on the
 add, so the lock caps ingest near 2 MiB / 17 ms; the kernel takes ~0.3 ms (AVX2 table
-lookups) and ~1.5 ms (the sum's 16 MB read and write: memory bound).
+lookups) and ~0.7 ms (the decode in registers; the sum's 16 MB read and write make it
+memory bound on a busy machine). A push's bytes come from its receive buffer
+(server/receive.py), read in place.
 The add is bit-identical to torch's `add_(values, alpha=w)`, whose rounding differs by CPU
 (one FMA in its AVX2/AVX512 kernels, a multiply then an add in its baseline ones): the
 kernel's mode is chosen by measuring torch in this process (Kernel.torch_add_mode), and where
@@ -53,7 +55,7 @@ import torch
 from common import fp4_native
 from common.codec import FP4_BLOCK, FP4_GRIDS, dequantize_fp4
 from common.errors import InvalidArgument
-from common.fragment_wire import NOT_FINITE, WireTensor, parse_fragment
+from common.fragment_wire import NOT_FINITE, WireTensor, parse_fragment, parse_fragment_view
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 # Values decoded at a time: 512 KiB of float32, small enough to stay in cache from the decode
@@ -214,19 +216,24 @@ class IngestSlot:
 
     def parse(
         self,
-        data: bytes | bytearray,
+        data: bytes | bytearray | memoryview,
         shapes: Sequence[tuple[int, ...]],
         release: bool = False,
     ) -> PushBody:
         """Check a serialized EncodedFragment against the fragment's shapes and read its norm
         and largest magnitude; raises InvalidArgument as common.wire.decode_fragment does.
 
-        With `release`, a bytearray `data` is emptied once protobuf has parsed (copied) it,
-        before the tensors' bytes are copied out of the message: a push then peaks at two
-        copies of its payload here, not three (the caller's reference would keep it alive)."""
+        A memoryview (a receive buffer, server/receive.py) is read in place: the body's
+        tensors are views of it, valid while it is. With `release`, a bytearray `data` is
+        emptied once protobuf has parsed (copied) it."""
         kernel = fp4_native.load()
         tensors, squares, max_abs = [], 0.0, 0.0
-        for t in parse_fragment(data, shapes, release=release):
+        checked = (
+            parse_fragment_view(data, shapes)
+            if isinstance(data, memoryview)
+            else parse_fragment(data, shapes, release=release)
+        )
+        for t in checked:
             # Its values before the next tensor is checked, as decode_fragment reads them.
             tensor_squares, tensor_max = _value_stats(t, self._scratch, kernel)
             tensors.append(t)

@@ -3,9 +3,11 @@
 Header rules, checked before the payload is read so that a stale or duplicate push costs no
 bandwidth: the fragment has parameters (an initial push: has none yet), the base version is
 not from the future, and the mode's policy takes the push (server/rounds.py). Body rules: the
-shapes are the fragment's, values and weights stay far from float32 overflow, and the norm
-guard (server/policy.py) refuses an update far larger than the fragment's recent ones. Called
-with the Aggregator's lock held.
+shapes are the fragment's, the claimed tokens fit the rate declared at Join, values and
+weights stay far from float32 overflow, and the norm guard (server/policy.py) refuses an
+update far larger than the fragment's recent ones. The weight cap and the robust merge
+(server/influence.py) then bound what an accepted push adds. Called with the Aggregator's
+lock held.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from server.events import AggregatorEvents
 from server.fragment import FragmentState, Round
 from server.global_params import GlobalParams
+from server.influence import check_claim, clip_scale
 from server.ingest import DenseBody, PushBody
 from server.membership import Membership, Session
 from server.policy import NormGuard, staleness_discount
@@ -37,9 +41,10 @@ MAX_ROUND_SUM_ABS = 1e37
 
 
 class PushRefused(ValueError):
-    """The norm guard refused the push. Its learner is excused from the open round, which
-    then does not wait for it; nothing else is kept of the push, so its next one (a new try
-    at this round, or at the next) is taken as usual. The global parameters are untouched."""
+    """The norm guard or the token-claim check refused the push. Its learner is excused from
+    the open round, which then does not wait for it; nothing else is kept of the push, so its
+    next one (a new try at this round, or at the next) is taken as usual. The global
+    parameters are untouched."""
 
 
 class PushIntake:
@@ -50,9 +55,11 @@ class PushIntake:
         members: Membership,
         params: GlobalParams,
         rounds: RoundPolicy,
-        max_norm_ratio: float,
+        events: AggregatorEvents,
     ) -> None:
         self._members, self._params, self._rounds = members, params, rounds
+        self._robust_merge, self._events = rounds.config.robust_merge, events
+        max_norm_ratio = rounds.config.max_norm_ratio
         self.norm_guards: defaultdict[int, NormGuard] = defaultdict(
             lambda: NormGuard(max_norm_ratio)
         )  # per fragment
@@ -83,7 +90,7 @@ class PushIntake:
 
     def add(
         self,
-        learner_id: str,
+        session: Session,
         fragment: FragmentState,
         base_version: int,
         body: PushBody | DenseBody,
@@ -91,26 +98,42 @@ class PushIntake:
         inner_steps: int,
     ) -> None:
         """Check a push's body (its header passed) and add it to the fragment's round.
-        InvalidArgument for a bad body; PushRefused from the norm guard."""
+        InvalidArgument for a bad body; PushRefused from the token-claim check or the norm
+        guard (the learner is excused from the round; nothing else changes)."""
+        learner_id = session.learner_id
         check_shapes(fragment, body.shapes)
         if body.max_abs > MAX_DELTA_ABS:
             raise InvalidArgument(f"pseudo-gradient values exceed {MAX_DELTA_ABS:g} in magnitude")
         if tokens < 0 or inner_steps < 0:
             raise InvalidArgument("tokens and inner_steps must be >= 0")
-        weight = self._rounds.weight(tokens, inner_steps)
+        try:
+            check_claim(tokens, inner_steps, session.tokens_per_step)
+        except ValueError as err:
+            self._events.influence_bounded("claim_refused")
+            fragment.round.excused.add(learner_id)
+            raise PushRefused(str(err)) from err
+        live = self._members.live()
+        weight, capped = self._rounds.weight(learner_id, tokens, inner_steps, live)
         discount = staleness_discount(fragment.version - base_version)
         _check_round_sum_fits(fragment.round, weight * discount, body.max_abs)
-        norm = body.norm
         guard = self.norm_guards[fragment.fragment_id]
         try:
-            guard.check(norm)
+            guard.check(body.norm)
         except ValueError as err:
             fragment.round.excused.add(learner_id)
             raise PushRefused(str(err)) from err
-        fragment.add(learner_id, body, tokens, weight, discount)
+        clip = 1.0
+        if self._robust_merge == "clip-to-median":
+            clip = clip_scale(body.norm, guard.median())
+        keep = self._robust_merge == "trimmed-mean"
+        fragment.add(learner_id, body, tokens, weight, discount * clip, keep=keep)
         fragment.last_push_base[learner_id] = base_version
-        guard.record(norm)
+        guard.record(body.norm)
         self._rounds.accepted(fragment.round, learner_id, weight)
+        if capped:
+            self._events.influence_bounded("weight_capped")
+        if clip < 1.0:
+            self._events.influence_bounded("norm_clipped")
         log.info(
             "learner=%s pushed fragment=%d base=%d contributors=%d/%d",
             learner_id,

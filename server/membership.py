@@ -42,6 +42,7 @@ class Session:
     step_time_s: float = 0.0
     schedule_step: int = 0  # the last one the learner reported, at clock time schedule_at
     schedule_at: float = 0.0
+    tokens_per_step: int = 0  # declared at Join; 0: none (claims unchecked)
 
 
 class Membership:
@@ -52,9 +53,12 @@ class Membership:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
 
-    def open(self, learner_id: str) -> Session:
+    def open(self, learner_id: str, tokens_per_step: int = 0) -> Session:
         """A new session for `learner_id`, its lease starting now."""
-        session = Session(secrets.token_hex(16), learner_id, self._clock() + self.lease_s)
+        deadline = self._clock() + self.lease_s
+        session = Session(
+            secrets.token_hex(16), learner_id, deadline, tokens_per_step=tokens_per_step
+        )
         self._sessions[session.session_id] = session
         log.info(
             "learner=%s joined session=%s live=%d",

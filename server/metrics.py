@@ -64,6 +64,14 @@ class ServerMetrics(AggregatorEvents):
             "histogram's count it is the share of their weight that stale pushes keep.",
             registry=r,
         )
+        self.bounded = Counter(
+            "diloco_server_bounded_contributions",
+            "Pushes whose influence was bounded, by action: weight_capped (weight lowered to "
+            "max_weight_ratio x the others' median), norm_clipped (robust_merge "
+            "clip-to-median), claim_refused (more tokens than declared at Join; refused).",
+            ["action"],
+            registry=r,
+        )
         self.snapshot = Histogram(
             "diloco_server_snapshot_write_seconds",
             "Time to write one durable snapshot of the whole state.",
@@ -96,6 +104,9 @@ class ServerMetrics(AggregatorEvents):
         self.quorum.observe(contributors)
         self.round_duration.observe(round_s)
         self.outer_step.observe(outer_step_s)
+
+    def influence_bounded(self, action: str) -> None:
+        self.bounded.labels(action).inc()
 
     def snapshot_written(self, seconds: float) -> None:
         self.snapshot.observe(seconds)

@@ -131,3 +131,9 @@ class NormGuard:
 
     def record(self, norm: float) -> None:
         self._recent.append(norm)
+
+    def median(self) -> float | None:
+        """The recent median norm, once past the warm-up (None before)."""
+        if len(self._recent) < max(1, self.warmup):
+            return None
+        return statistics.median(self._recent)

@@ -12,9 +12,12 @@
 - `Async`: every push closes its own round, with Delayed Nesterov, whose momentum period
   follows the number of live learners unless async_momentum_every fixes it.
 
-In every mode a round does not wait for a learner whose push the norm guard refused (it is
-excused); a round with no accepted push whose live learners are all excused ends without an
-outer step: the version stays, the excuses are forgotten, and the next pushes start it again.
+In every mode a round does not wait for a learner whose push was refused (by the norm guard
+or the token-claim check: it is excused); a round with no accepted push whose live learners
+are all excused ends without an outer step: the version stays, the excuses are forgotten,
+and the next pushes start it again. A learner counts at most once in a round, and its
+weight is capped against the others' (server/influence.py); with robust_merge trimmed-mean
+the round's trimmed mean replaces its weighted mean at the close.
 
 The Aggregator picks its policy once, from the mode, and no other code looks at the mode. The
 formulas (weights, grace window, staleness discount) are server/policy.py's.
@@ -31,6 +34,7 @@ import torch
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from server.config import OuterConfig, RoundsConfig
 from server.fragment import FragmentState, Round, RoundSummary
+from server.influence import capped_weight, trim_count, trimmed_mean_into
 from server.membership import Session
 from server.outer import DelayedNesterov, NesterovOuter
 from server.policy import contribution_weight, grace_window_s
@@ -49,6 +53,7 @@ class RoundPolicy:
         self.config = rounds
         self.outer_config = outer
         self._clock = clock
+        self.last_weight: dict[str, float] = {}  # learner -> weight of its last push
 
     def new_outer(self) -> NesterovOuter | DelayedNesterov:
         """A fresh outer optimizer for one fragment."""
@@ -62,7 +67,8 @@ class RoundPolicy:
 
     def check_base(self, fragment: FragmentState, learner_id: str, base_version: int) -> None:
         """Refuse a push this mode does not take (`base_version` is not ahead of the
-        fragment's: the caller checked): too stale, or a retry of one already counted."""
+        fragment's: the caller checked): too stale, a retry of one already counted, or a second
+        push to the open round."""
         staleness = fragment.version - base_version
         if staleness > self.config.max_staleness:
             raise FailedPrecondition(
@@ -71,16 +77,27 @@ class RoundPolicy:
                 f"pull and push again"
             )
         _refuse_retry(fragment, learner_id, base_version)
+        _refuse_second(fragment, learner_id)
 
-    def weight(self, tokens: int, inner_steps: int) -> float:
-        """How much a push counts in its round (before the staleness discount)."""
+    def weight(
+        self, learner_id: str, tokens: int, inner_steps: int, live: Collection[Session]
+    ) -> tuple[float, bool]:
+        """How much a push counts in its round (before the staleness discount), and whether
+        the weight cap lowered its claim (server/influence.py)."""
         try:
-            return contribution_weight(self.config.weighting, tokens, inner_steps)
+            claimed = contribution_weight(self.config.weighting, tokens, inner_steps)
         except ValueError as err:
             raise InvalidArgument(str(err)) from err
+        last = self.last_weight
+        others = [
+            last[s.learner_id] for s in live if s.learner_id != learner_id and s.learner_id in last
+        ]
+        weight = capped_weight(claimed, others, self.config.max_weight_ratio)
+        return weight, weight < claimed
 
     def accepted(self, rnd: Round, learner_id: str, weight: float) -> None:
         """A push of `learner_id`, at `weight`, was just added to `rnd`."""
+        self.last_weight[learner_id] = weight
         if rnd.opened_at is None:
             rnd.opened_at = self._clock()
 
@@ -112,6 +129,11 @@ class RoundPolicy:
             return None
         if not self.ready(rnd, live):
             return None
+        if rnd.kept is not None:
+            # The trimmed mean, times the weight the division below takes out again.
+            trim = trim_count(len(rnd.kept), self.config.trim_fraction)
+            trimmed_mean_into(rnd.delta_sum or [], rnd.kept, trim, rnd.weight_sum)
+            rnd.kept = None
         setting = self.before_close(fragment, len(live))
         weight = self.expected_weight(fragment.round, live)
         return fragment.close_round(weight, lambda mean: record(mean, setting))
@@ -140,11 +162,7 @@ class Sync(RoundPolicy):
                 f"is at version {fragment.version}; pull the new version and push again"
             )
         _refuse_retry(fragment, learner_id, base_version)
-        if learner_id in fragment.round.contributors:
-            raise AlreadyExists(
-                f"learner {learner_id} already pushed for version "
-                f"{fragment.version + 1} of fragment {fragment.fragment_id}"
-            )
+        _refuse_second(fragment, learner_id)
 
     def _closes(self, rnd: Round, live: Collection[Session]) -> bool:
         return _everyone(rnd, live) and len(rnd.contributors) >= self.config.min_contributors
@@ -155,15 +173,8 @@ class Quorum(RoundPolicy):
 
     mode = "quorum"
 
-    def __init__(
-        self, rounds: RoundsConfig, outer: OuterConfig, clock: Callable[[], float]
-    ) -> None:
-        super().__init__(rounds, outer, clock)
-        self.last_weight: dict[str, float] = {}  # learner -> weight of its last push
-
     def accepted(self, rnd: Round, learner_id: str, weight: float) -> None:
         super().accepted(rnd, learner_id, weight)
-        self.last_weight[learner_id] = weight
         if rnd.quorum_since is None and len(rnd.contributors) >= self.config.min_contributors:
             rnd.quorum_since = self._clock()
 
@@ -232,4 +243,14 @@ def _refuse_retry(fragment: FragmentState, learner_id: str, base_version: int) -
         raise AlreadyExists(
             f"learner {learner_id} already pushed fragment {fragment.fragment_id} against "
             f"version {base_version} (a retried push counts once)"
+        )
+
+
+def _refuse_second(fragment: FragmentState, learner_id: str) -> None:
+    """A learner counts once in a round: pushes against different base versions would
+    otherwise each add its weight (its next push, against the new version, carries the work)."""
+    if learner_id in fragment.round.contributors:
+        raise AlreadyExists(
+            f"learner {learner_id} already pushed for version "
+            f"{fragment.version + 1} of fragment {fragment.fragment_id}"
         )

@@ -14,21 +14,27 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 
-from common.errors import DilocoError, InvalidArgument, PermissionDenied
+from common.codec import decode_values
+from common.errors import DilocoError, InvalidArgument, PermissionDenied, ResourceExhausted
+from common.fragment_wire import parse_fragment_view
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
+from common.rpc import RETRY_AFTER_HEADER
 from common.traffic import NO_FRAGMENT, Traffic
-from common.wire import chunks, decode_fragment, join_chunks, max_fragment_bytes
+from common.wire import chunks, max_fragment_bytes
 from server.aggregator import Aggregator
 from server.auth import authenticated_learner
 from server.global_params import ParamSpec
 from server.ingest import IngestSlots
+from server.receive import DEFAULT_PUSH_BUDGET_BYTES, BudgetExhausted, PushBudget, receive_into
 from server.status import PushLog, describe_shards, shard_status
 
 log = logging.getLogger(__name__)
 
 # The longest a PullParams call may block waiting for a new version.
 MAX_PULL_WAIT_S = 60.0
+# A push refused for want of push memory is told to retry after this long.
+PUSH_RETRY_AFTER_MS = 1000
 # Pull payload parts below this size (framing) are joined with their neighbours (_pieces).
 SMALL_PART_BYTES = 4096
 # Pull answers are streamed in messages of at most this size. Each stream in flight holds
@@ -51,6 +57,8 @@ def _abort_on_domain_error(method):
             log.warning("%s rejected: %s", method.__name__, str(err))
             if method.__name__ == "PushFragment":
                 self.count_push(err.code.name.lower())
+                if isinstance(err, BudgetExhausted):
+                    context.set_trailing_metadata(((RETRY_AFTER_HEADER, str(PUSH_RETRY_AFTER_MS)),))
             context.abort(err.code, str(err))
 
     return wrapper
@@ -87,7 +95,9 @@ class MergedTokens:
 
 
 class AggregatorServicer(pb_grpc.AggregatorServicer):
-    def __init__(self, aggregator: Aggregator, ingest_slots: int = 0) -> None:
+    def __init__(
+        self, aggregator: Aggregator, ingest_slots: int = 0, push_budget: PushBudget | None = None
+    ) -> None:
         self.aggregator = aggregator
         self.traffic = Traffic()
         self.merged_tokens = MergedTokens()
@@ -96,6 +106,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.pushes = PushLog()  # each learner's last accepted push (Status)
         # Two per core: one push can be received while another is decoded.
         self._ingest = IngestSlots(ingest_slots or 2 * (os.cpu_count() or 1))
+        # Push payloads are received into buffers reserved from this (server/receive.py).
+        self.push_budget = push_budget or PushBudget(DEFAULT_PUSH_BUDGET_BYTES, 0.0)
         self._push_results_lock = threading.Lock()
         # Long-polls waiting now (for metrics): a client that goes away ends its wait.
         self._waiting_pulls = 0
@@ -147,7 +159,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def Join(self, request: pb.JoinRequest, context) -> pb.JoinResponse:
         self._check_caller(learner_id=request.learner_id or "(empty)")
         fingerprint = [ParamSpec(p.name, tuple(p.shape), p.dtype) for p in request.fingerprint]
-        result = self.aggregator.join(request.learner_id, fingerprint)
+        result = self.aggregator.join(request.learner_id, fingerprint, request.tokens_per_step)
         response = pb.JoinResponse(
             session_id=result.session_id,
             server_epoch=result.server_epoch,
@@ -188,30 +200,35 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         shapes = agg.check_push(header.session_id, fid, header.base_version, initial)
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
         limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
+        if header.payload_bytes > limit:
+            raise ResourceExhausted(
+                f"announced payload of {header.payload_bytes} bytes exceeds the limit of {limit}"
+            )
         pieces = (self._chunk_of(msg, fid) for msg in request_iterator)
-        # Received before a slot is taken: a learner on a slow link (or one that trickles on
+        # The announced size is reserved before a byte is buffered, and the payload received
+        # before an ingest slot is taken: a learner on a slow link (or one that trickles on
         # purpose) must not hold up the others' pushes while its bytes arrive.
-        payload = join_chunks(pieces, header.payload_bytes, limit)
-        # A slot bounds how many payloads are decoded and added at once; a push is added to
-        # the round's sum straight from its wire encoding, without a float32 copy of its own
-        # (server/ingest.py).
-        with self._ingest.take() as slot:
-            if initial:
-                version = agg.initialize(header.session_id, fid, decode_fragment(payload, shapes))
-            else:
-                # The body holds copies of the tensors' bytes; the payload is freed as soon
-                # as protobuf has parsed it (release).
-                body = slot.parse(payload, shapes, release=True)
-                version = agg.push(
-                    header.session_id,
-                    fid,
-                    header.base_version,
-                    body,
-                    tokens=header.tokens,
-                    inner_steps=header.inner_steps,
-                )
-                self.merged_tokens.add(fid, version, header.tokens, agg.version(fid))
-                self.pushes.record(agg.session_learner(header.session_id), fid, version)
+        gone = lambda: not context.is_active()  # noqa: E731
+        with self.push_budget.reserve(header.payload_bytes, gone, reuse=not initial) as buffer:
+            payload = receive_into(buffer, pieces)
+            # A slot bounds how many payloads are decoded and added at once; a push is added
+            # to the round's sum straight from the buffer, in its wire encoding, without a
+            # float32 copy of its own (server/ingest.py).
+            with self._ingest.take() as slot:
+                if initial:
+                    tensors = [decode_values(t) for t in parse_fragment_view(payload, shapes)]
+                    version = agg.initialize(header.session_id, fid, tensors)
+                else:
+                    version = agg.push(
+                        header.session_id,
+                        fid,
+                        header.base_version,
+                        slot.parse(payload, shapes),
+                        tokens=header.tokens,
+                        inner_steps=header.inner_steps,
+                    )
+                    self.merged_tokens.add(fid, version, header.tokens, agg.version(fid))
+                    self.pushes.record(agg.session_learner(header.session_id), fid, version)
         response = pb.PushFragmentResponse(accepted=True, round_version=version)
         self.count_push("accepted")
         self.traffic.count(fid, sent=response.ByteSize())

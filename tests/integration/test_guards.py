@@ -172,3 +172,28 @@ def test_a_poisoned_heartbeat_is_refused_and_the_median_holds(
     steps = service.aggregator.schedule_steps()
     assert set(steps) == {"a", "b", "c"} and steps["c"] < 10_000  # c's last good report
     client.close()
+
+
+def test_a_learner_declares_its_tokens_per_step_and_larger_claims_are_refused(
+    start_service,
+) -> None:
+    service = start_service(lease_s=30.0, mode="quorum")
+    settings = {"server": f"127.0.0.1:{service.port}", "learner_id": "honest", "insecure": True}
+    client = AggregatorClient(f"127.0.0.1:{service.port}")
+    with DilocoSync(nn.Linear(4, 1), tokens_per_step=32, **settings) as sync:
+        session = sync.session.membership.session_id  # the session DilocoSync joined with
+        payload = encode_fragment([torch.zeros(1, 4), torch.zeros(1)], "fp32")
+
+        def claim(tokens: int) -> int:
+            header = pb.PushHeader(
+                session_id=session, kind=pb.PUSH_KIND_DELTA, tokens=tokens, inner_steps=2
+            )
+            return client.push(header, payload).round_version
+
+        with pytest.raises(grpc.RpcError) as err:
+            claim(71)  # 2 steps x 32 tokens x 1.1 = 70.4
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "more than 1.1 x the 32 tokens per step declared at Join" in err.value.details()
+        assert service.aggregator.version(0) == 0
+        assert claim(64) == 1  # the true claim is taken: the learner was not locked out
+    client.close()

@@ -26,8 +26,10 @@ SHAPES = [(512, 640), (300_001,), (3,)]
 MODEL_BYTES = 4 * sum(torch.Size(s).numel() for s in SHAPES)
 
 
-def run(pull_codec: str, rounds: int, outer=None) -> FragmentState:
-    fragment = FragmentState(0, [0, 1, 2], SHAPES, outer or NesterovOuter(), pull_codec, 16)
+def run(pull_codec: str, rounds: int, outer=None, update_log_fraction=1.0) -> FragmentState:
+    fragment = FragmentState(
+        0, [0, 1, 2], SHAPES, outer or NesterovOuter(), pull_codec, 16, update_log_fraction
+    )
     g = torch.Generator().manual_seed(0)
     fragment.initialize([torch.randn(s, generator=g) for s in SHAPES])
     for _ in range(rounds):
@@ -95,12 +97,16 @@ def test_a_snapshot_streamed_across_a_step_keeps_its_versions_bytes(pull_codec) 
     assert joined(fragment.pull(-1).parts) != expected  # a new pull gets the new version
 
 
-def test_the_update_log_keeps_what_a_pull_can_use() -> None:
-    fragment = run("fp4_e2m1", rounds=10)
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_the_update_log_keeps_what_a_pull_can_use(fraction: float) -> None:
+    fragment = run("fp4_e2m1", rounds=10, update_log_fraction=fraction)
     kept = len(fragment._updates)
-    assert 4 <= kept < 10  # capped by bytes (about 7 fp4 updates), not by the 16 versions
+    # Capped by bytes (about 7 fp4 updates in a snapshot's bytes), not by the 16 versions.
+    assert kept == int(fraction * 4 * 8 / 4.25)
+    assert fragment._update_bytes <= fraction * fragment.pull(-1).payload_bytes
     chain = fragment.pull(fragment.version - kept)
     assert chain.kind != fragment.pull(-1).kind  # the oldest kept version still gets a chain
+    assert fragment.pull(fragment.version - kept - 1).kind == fragment.pull(-1).kind
 
 
 class _NewStorages(TorchDispatchMode):

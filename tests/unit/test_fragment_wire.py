@@ -16,6 +16,7 @@ from common.fragment_wire import (
     chain_parts,
     fragment_parts,
     parse_fragment,
+    parse_fragment_view,
     tensor_message,
 )
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -148,3 +149,46 @@ def test_decode_of_a_message_and_of_a_fragment_agree() -> None:
     for codec in CODECS:
         (from_fragment,) = decode_fragment(encode_fragment([t], codec), [(5, 7)])
         assert torch.equal(decode(encode(t, codec), (5, 7)), from_fragment)
+
+
+def _views_equal(data: bytes, shapes) -> None:
+    from_bytes = list(parse_fragment(data, shapes))
+    from_view = list(parse_fragment_view(memoryview(bytearray(data)), shapes))
+    assert [(t.codec, t.shape, bytes(t.payload), bytes(t.scales)) for t in from_view] == [
+        (t.codec, t.shape, t.payload, t.scales) for t in from_bytes
+    ]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_view_parser_reads_the_writers_bytes_in_place(codec: str) -> None:
+    tensors = pinned_tensors()
+    shapes = [tuple(t.shape) for t in tensors]
+    data = encode_fragment(tensors, codec)
+    _views_equal(data, shapes)
+    buffer = memoryview(bytearray(data))
+    checked = list(parse_fragment_view(buffer, shapes))
+    if codec in ("fp32", "bf16", "fp4_e2m1", "fp4_e3m0"):  # sparse ones: protobuf's reading
+        assert isinstance(checked[0].payload, memoryview)
+        assert checked[0].payload.obj is buffer.obj
+
+
+def test_view_parser_takes_other_encodings_as_protobuf_does() -> None:
+    """Fields out of order, unpacked shapes, unknown fields: protobuf's reading, same words."""
+    t = torch.randn(3, 5)
+    msg = encode(t, "fp4_e2m1")
+    reordered = (
+        pb.EncodedTensor(crc32=msg.crc32).SerializeToString()
+        + pb.EncodedTensor(scales=msg.scales, payload=msg.payload).SerializeToString()
+        + bytes([0x10, 3, 0x10, 5])  # shape, unpacked
+        + pb.EncodedTensor(codec=msg.codec).SerializeToString()
+        + bytes([0x38, 1])  # an unknown field 7
+    )
+    data = b"\x0a" + bytes([len(reordered)]) + reordered
+    _views_equal(data, [(3, 5)])
+    for bad in (data[:-3], data + b"\x0a\x05ab", b"\xff" * 8, data[:1] + b"\x7f" + data[2:]):
+        words = []
+        for reader in (parse_fragment, lambda d, s: parse_fragment_view(memoryview(d), s)):
+            with pytest.raises(InvalidArgument) as err:
+                list(reader(bytearray(bad), [(3, 5)]))
+            words.append(str(err.value))
+        assert words[0] == words[1]

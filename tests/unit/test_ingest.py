@@ -166,8 +166,9 @@ def test_one_parser_refuses_for_decode_decode_fragment_and_ingest(
     monkeypatch, kernel: str, name: str
 ) -> None:
     """The same bad tensor, alone (decode) or in a push (decode_fragment, the server's ingest
-    with and without the C kernel), is refused with the same words; the parser refuses
-    everything but bad values itself, before any value is decoded."""
+    with and without the C kernel, from bytes and from a receive buffer), is refused with the
+    same words; the parser refuses everything but bad values itself, before any value is
+    decoded."""
     monkeypatch.setenv("DILOCO_FP4_KERNEL", kernel)
     msg = bad_tensors()[name]
     rest = _rest("fp32" if msg.codec == pb.CODEC_FP32 else "fp4_e2m1")
@@ -179,6 +180,7 @@ def test_one_parser_refuses_for_decode_decode_fragment_and_ingest(
         lambda: decode(msg, SHAPES[0]),
         lambda: decode_fragment(data, SHAPES),
         lambda: IngestSlot().parse(data, SHAPES),
+        lambda: IngestSlot().parse(memoryview(bytearray(data)), SHAPES),  # a receive buffer
         lambda: list(parse_fragment(data, SHAPES)),
     ):
         try:
@@ -186,9 +188,9 @@ def test_one_parser_refuses_for_decode_decode_fragment_and_ingest(
         except InvalidArgument as err:
             refusals.append(str(err))
     if name.startswith("fp32") or name == "infinite fp4":  # the values: read by the decoders
-        assert refusals[:3] == [NOT_FINITE] * 3
+        assert refusals[:4] == [NOT_FINITE] * 4
     else:
-        assert len(refusals) == 4 and len(set(refusals)) == 1, refusals
+        assert len(refusals) == 5 and len(set(refusals)) == 1, refusals
 
 
 def test_slots_bound_concurrent_pushes() -> None:

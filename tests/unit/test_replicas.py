@@ -26,7 +26,12 @@ def random_fragment(shapes, seed: int, scale: float = 1.0) -> list[torch.Tensor]
 
 @pytest.mark.parametrize("codec", ["fp4_e2m1", "sparse_2bit", "sparse_fp4"])
 def test_replicas_bit_identical_after_many_rounds_with_several_learners(codec: str) -> None:
-    agg = Aggregator(aggregator_config(fragments=2, pull_codec=codec, update_log_versions=8))
+    # The whole log (update_log_fraction 1): learner 2, 5 versions behind, pulls chains.
+    agg = Aggregator(
+        aggregator_config(
+            fragments=2, pull_codec=codec, update_log_versions=8, update_log_fraction=1.0
+        )
+    )
     sessions = [agg.join(f"l{i}", SPECS).session_id for i in range(3)]
     shapes = {f: [SPECS[i].shape for i in idx] for f, idx, _ in agg.join("l0", SPECS).fragments}
     sessions[0] = agg.join("l0", SPECS).session_id

@@ -95,14 +95,16 @@ class FragmentLayout(_message.Message):
     def __init__(self, fragment_id: _Optional[int] = ..., param_indices: _Optional[_Iterable[int]] = ..., version: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("learner_id", "fingerprint", "codecs")
+    __slots__ = ("learner_id", "fingerprint", "codecs", "tokens_per_step")
     LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     learner_id: str
     fingerprint: _containers.RepeatedCompositeFieldContainer[ParamSpec]
     codecs: _containers.RepeatedScalarFieldContainer[Codec]
-    def __init__(self, learner_id: _Optional[str] = ..., fingerprint: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...
+    tokens_per_step: int
+    def __init__(self, learner_id: _Optional[str] = ..., fingerprint: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ..., tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session_id", "server_epoch", "fragments", "lease_s", "mode", "layout", "schedule_step", "shard_index", "shard_count", "map_id", "fragment_owners")

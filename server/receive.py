@@ -1,0 +1,130 @@
+"""Receiving a push's payload: into a reused buffer, under a server-wide memory budget.
+
+    budget = PushBudget(budget_bytes=256 << 20, wait_s=10.0)
+    with budget.reserve(header.payload_bytes, gone) as buffer:   # waits, or ResourceExhausted
+        view = receive_into(buffer, chunks)                        # one copy per chunk
+        body = slot.parse(view, shapes)                            # views of `buffer`
+
+Why: a push is buffered whole before it counts (its checksums and its norm are checked
+before the round's sum is touched), and each push stream buffered what it had received so
+far, so memory grew with the number of open push streams times the fragment size: a few
+dozen half-sent pushes held hundreds of MB, and a push was copied three times on its way
+(joined chunks, protobuf's parse, the tensors' bytes). Here a push's announced size is
+reserved against the budget before a byte of its payload is read; past the budget a push
+waits up to `wait_s` for room (while its sender is held by gRPC's flow control) and is then
+refused with RESOURCE_EXHAUSTED and a retry hint. A reservation is returned when its push
+ends, however it ends (accepted, refused or cancelled by its sender).
+
+Buffers are reused: the pool keeps up to `keep` released buffers (the sizes repeat: one per
+fragment and codec), so a push does not fault in fresh pages for its payload every time; a
+kept buffer serves pushes of half its size or more. A cancelled push's buffer is freed, as
+is a fragment's initial (fp32) one, so that what a hostile sender made the server
+touch goes back to the system.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
+
+from common.errors import InvalidArgument, ResourceExhausted
+
+# push_memory_budget_mb's default (server/config.py), for servicers built without a config.
+DEFAULT_PUSH_BUDGET_BYTES = 256 << 20
+# A waiting push checks this often whether its caller went away.
+_POLL_S = 0.25
+
+
+class BudgetExhausted(ResourceExhausted):
+    """No room in the push memory budget: worth a retry once other pushes are done."""
+
+
+class PushBudget:
+    """Bytes of push payloads the server may hold at once, and the buffers that hold them."""
+
+    def __init__(self, budget_bytes: int, wait_s: float, keep: int = 4) -> None:
+        if budget_bytes < 1:
+            raise ValueError(f"push memory budget must be >= 1 byte, got {budget_bytes}")
+        self.budget_bytes, self.wait_s, self._keep = budget_bytes, wait_s, keep
+        self._cond = threading.Condition()
+        self._reserved = 0  # bytes of buffers in use and of the ones kept for reuse
+        self._free: list[np.ndarray] = []
+        self.refused = 0  # pushes refused for want of room (for metrics)
+
+    def reserved_bytes(self) -> int:
+        with self._cond:
+            return self._reserved
+
+    @contextlib.contextmanager
+    def reserve(
+        self, size: int, gone: Callable[[], bool] = lambda: False, reuse: bool = True
+    ) -> Iterator[memoryview]:
+        """A writable buffer of `size` bytes counted against the budget until the block
+        ends; waits up to wait_s for room (less if `gone()` turns true), else raises
+        ResourceExhausted. A push larger than the whole budget is refused at once. Without
+        `reuse` (a one-off push: a fragment's initial values) the buffer is freed after."""
+        if size > self.budget_bytes:
+            raise ResourceExhausted(
+                f"push of {size} bytes exceeds the push memory budget of {self.budget_bytes} "
+                "bytes (push_memory_budget_mb)"
+            )
+        buffer = self._take(size, gone)
+        ok = False
+        try:
+            yield memoryview(buffer)[:size]
+            ok = reuse
+        finally:
+            self._give_back(buffer, keep=ok)
+
+    def _take(self, size: int, gone: Callable[[], bool]) -> np.ndarray:
+        deadline = time.monotonic() + self.wait_s
+        with self._cond:
+            while True:
+                # A kept buffer that fits without wasting more than half of itself.
+                fits = [i for i, b in enumerate(self._free) if size <= len(b) <= 2 * size]
+                if fits:
+                    return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+                # Drop kept buffers (largest first) until a new one fits, if that is enough.
+                kept = sum(len(b) for b in self._free)
+                if self._reserved - kept + size <= self.budget_bytes:
+                    self._free.sort(key=len)
+                    while self._reserved + size > self.budget_bytes:
+                        self._reserved -= len(self._free.pop())
+                    self._reserved += size
+                    # np.empty: pages are touched only as the payload arrives.
+                    return np.empty(size, dtype=np.uint8)
+                left = deadline - time.monotonic()
+                if left <= 0 or gone():
+                    self.refused += 1
+                    raise BudgetExhausted(
+                        f"push memory budget of {self.budget_bytes} bytes is in use by other "
+                        f"pushes; waited {self.wait_s:g} s (push_memory_budget_mb)"
+                    )
+                self._cond.wait(min(left, _POLL_S))
+
+    def _give_back(self, buffer: np.ndarray, keep: bool) -> None:
+        with self._cond:
+            if keep and len(self._free) < self._keep:
+                self._free.append(buffer)
+            else:
+                self._reserved -= len(buffer)
+            self._cond.notify_all()
+
+
+def receive_into(buffer: memoryview, pieces: Iterable[bytes | memoryview]) -> memoryview:
+    """Copy the chunks into `buffer`, which must end exactly full; returns it. Raises
+    InvalidArgument for a payload longer or shorter than the buffer (the announced size)."""
+    filled, size = 0, len(buffer)
+    for piece in pieces:
+        end = filled + len(piece)
+        if end > size:
+            raise InvalidArgument(f"payload is longer than the announced {size} bytes")
+        buffer[filled:end] = piece
+        filled = end
+    if filled != size:
+        raise InvalidArgument(f"payload ended after {filled} of the announced {size} bytes")
+    return buffer

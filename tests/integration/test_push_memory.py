@@ -1,0 +1,103 @@
+"""Push memory against a real server process: half-sent pushes hold at most the push memory
+budget, whatever their number, and what they held is returned when they are cancelled."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import torch
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
+from common.retry import wait_until
+from common.rpc import LEARNER_ID_HEADER, create_channel
+from common.wire import CHUNK_BYTES, chunks, encode_fragment
+from tests.support.processes import server_process
+
+VALUES = 2 << 20  # an 8 MiB fp32 fragment
+SPECS = [pb.ParamSpec(name="w", shape=[VALUES], dtype="float32")]
+METADATA = ((LEARNER_ID_HEADER, "hostile"),)
+STREAMS = 30
+SENT_CHUNKS = 6  # of the 8 an fp32 push of the fragment takes
+BUDGET_MB = 24
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def half_sent(session: str, payload_bytes: int, hold: threading.Event):
+    """A push announcing `payload_bytes` that sends SENT_CHUNKS chunks, then waits."""
+    header = pb.PushHeader(
+        session_id=session, base_version=0, payload_bytes=payload_bytes, kind=pb.PUSH_KIND_DELTA
+    )
+    yield pb.PushFragmentRequest(header=header)
+    for _ in range(SENT_CHUNKS):
+        yield pb.PushFragmentRequest(chunk=bytes(CHUNK_BYTES))
+    hold.wait(120)
+
+
+def test_half_sent_pushes_hold_at_most_the_budget(tmp_path: Path) -> None:
+    server = server_process(
+        tmp_path, "server", "--mode", "quorum", "--lease-s", "120", "--max-calls-in-flight",
+        "0", "--push-memory-budget-mb", str(BUDGET_MB),
+    )  # fmt: skip
+    hold = threading.Event()
+    calls = []
+    try:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AggregatorStub(channel)
+            join = stub.Join(
+                pb.JoinRequest(learner_id="hostile", fingerprint=SPECS), metadata=METADATA
+            )
+            initial = encode_fragment([torch.zeros(VALUES)], "fp32")
+            header = pb.PushHeader(
+                session_id=join.session_id, kind=pb.PUSH_KIND_INITIAL, base_version=-1,
+                payload_bytes=len(initial),
+            )  # fmt: skip
+            messages = [pb.PushFragmentRequest(header=header)]
+            messages += [pb.PushFragmentRequest(chunk=c) for c in chunks(initial)]
+            stub.PushFragment(iter(messages), metadata=METADATA, timeout=60)
+            idle = rss_mb(server.pid)
+
+            for _ in range(STREAMS):
+                requests = half_sent(join.session_id, len(initial), hold)
+                calls.append(stub.PushFragment.future(requests, metadata=METADATA, timeout=120))
+            # Without the budget every stream buffers its chunks: STREAMS x 6 MiB = 180 MiB.
+            slack_mb = 40  # gRPC's per-stream windows, threads, chunk messages in flight
+            held = BUDGET_MB * 2**20 // len(initial)  # pushes the budget has room for
+
+            def settled() -> bool:
+                """The pushes beyond the budget's room have been refused; RSS meanwhile never
+                exceeds the budget and the slack."""
+                grown = rss_mb(server.pid) - idle
+                assert grown <= BUDGET_MB + slack_mb, f"RSS grew by {grown:.0f} MB"
+                return sum(call.done() for call in calls) >= STREAMS - held
+
+            wait_until(settled, 60, "pushes beyond the budget refused", interval_s=0.1)
+            for call in calls:
+                if call.done():
+                    assert call.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            for call in calls:
+                call.cancel()
+            hold.set()
+            # The reservations are returned: a whole push fits again, and the buffers went.
+            wait_until(lambda: rss_mb(server.pid) - idle <= slack_mb / 2, 30, "memory returned")
+            payload = encode_fragment([torch.full((VALUES,), 1e-3)], "fp32")
+            header = pb.PushHeader(
+                session_id=join.session_id, base_version=0, payload_bytes=len(payload),
+                kind=pb.PUSH_KIND_DELTA, tokens=1, inner_steps=1,
+            )  # fmt: skip
+            messages = [pb.PushFragmentRequest(header=header)]
+            messages += [pb.PushFragmentRequest(chunk=c) for c in chunks(payload)]
+            reply = stub.PushFragment(iter(messages), metadata=METADATA, timeout=60)
+            assert reply.accepted
+    finally:
+        hold.set()
+        server.stop()
