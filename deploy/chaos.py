@@ -3,16 +3,19 @@
     diloco-chaos --learners 3 --duration-s 600 --fault-every-s 15 --report chaos.json
     diloco-chaos --quick --report chaos.json       # about 2 minutes
     diloco-chaos --soak                            # 1,000 short faults, then as long fault-free
+    diloco-chaos --shards 2 --quick                # the aggregator as 2 shards
 
 Starts a server (quorum mode, with a state dir) and K learners as real processes on
-loopback; each learner reaches the server through its own FaultProxy (deploy/cluster.py). On
-a seeded schedule it injects: learner kill -9 + restart, learner SIGSTOP/SIGCONT stalls,
-server kill -9 + restart (same port, same state dir), and network cuts between one learner
-and the server. Then it runs the same setup without faults for the same time, and checks:
+loopback, and runs for the given duration once every learner has joined; each learner
+reaches the server through its own FaultProxy (deploy/cluster.py). On a seeded schedule it
+injects: learner kill -9 + restart, learner SIGSTOP/SIGCONT stalls, server kill -9 + restart
+(same port, same state dir; with --shards N > 1 one shard's, while the others go on), and
+network cuts between one learner and the server. Then it runs the same setup without faults
+for the same time, and checks:
 
 - no learner ever saw a fragment version go backwards (its replica versions, scraped);
 - every process that should be alive at the end is;
-- training went on after every fault (the server's versions moved on after it);
+- training went on after every fault (some shard's versions moved on after it);
 - final eval loss next to the fault-free run's; goodput = tokens that reached a closed round
   / tokens the learners had capacity for (the fault-free run's merged tokens).
 
@@ -41,12 +44,23 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from common.retry import wait_until
 from deploy.cluster import Cluster
-from deploy.watch import Watch, merged_tokens, recent_eval_loss, round_times, time_reaching
+from deploy.watch import (
+    Watch,
+    merged_tokens,
+    recent_eval_loss,
+    round_times,
+    summed,
+    time_reaching,
+)
 
 KINDS = ("learner_kill", "learner_stall", "server_kill", "net_cut")
+# With more than one shard a shard is killed instead of the whole server: the others go on.
+SHARD_KINDS = ("shard_kill", "learner_kill", "learner_stall", "net_cut")
 QUIET_TAIL_S = 10.0
-FRAGMENTS = 2
+JOIN_TIMEOUT_S = 300.0  # bounded, and generous: each learner imports torch first
+FRAGMENTS = 2  # or one per shard, if there are more shards
 SOAK_REPORT = Path(__file__).resolve().parent.parent / "bench" / "results" / "chaos_soak.json"
 
 
@@ -106,7 +120,9 @@ class Report:
 def inject(cluster: Cluster, kind: str, rng: random.Random, length_s: float) -> list[Event]:
     """One fault, start to end (blocking for its length); returns its two events."""
     i = rng.randrange(cluster.k)
-    target = "server" if kind == "server_kill" else f"learner-{i}"
+    shard = rng.randrange(cluster.shards) if cluster.shards > 1 else 0
+    killing_a_server = kind in ("server_kill", "shard_kill")
+    target = cluster.shard_name(shard) if killing_a_server else f"learner-{i}"
     events = [Event(cluster.now(), kind, target, "start")]
     if kind == "learner_kill":
         cluster.learners[i].kill()
@@ -116,15 +132,16 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, length_s: float) -> 
         cluster.learners[i].signal(signal.SIGSTOP)
         time.sleep(length_s)
         cluster.learners[i].signal(signal.SIGCONT)
-    elif kind == "server_kill":
-        assert cluster.server is not None
-        cluster.server.kill()
+    elif killing_a_server:
+        cluster.servers[shard].kill()  # shard 0, the server, when there is one
         time.sleep(length_s)
-        cluster.start_server()
+        cluster.start_server(shard)
     else:
-        cluster.proxies[i].cut()
+        for proxy in cluster.proxies[i]:
+            proxy.cut()
         time.sleep(length_s)
-        cluster.proxies[i].restore()
+        for proxy in cluster.proxies[i]:
+            proxy.restore()
     events.append(Event(cluster.now(), kind, target, "end"))
     return events
 
@@ -137,35 +154,58 @@ class Run:
     events: list[Event]
     dead: list[str]
     watch: Watch
+    fragments: int
     duration_s: float
 
+    def merged_tokens(self) -> list[tuple[float, float]]:
+        """(time, tokens in closed rounds so far, summed over fragments and shards)."""
+        return summed([merged_tokens(points) for points in self.watch.servers.values()])
 
-def run(workdir: Path, learners: int, schedule: Schedule, seed: int, faults: bool) -> Run:
-    cluster = Cluster(workdir, learners, fragments=FRAGMENTS)
+    def round_times(self) -> list[float]:
+        """When some shard's fragment moved on."""
+        return sorted(t for points in self.watch.servers.values() for t in round_times(points))
+
+
+def run(
+    workdir: Path, learners: int, schedule: Schedule, seed: int, faults: bool, shards: int = 1
+) -> Run:
+    fragments = max(FRAGMENTS, shards)
+    kinds = SHARD_KINDS if shards > 1 else KINDS
+    cluster = Cluster(workdir, learners, fragments=fragments, shards=shards)
     cluster.start()
     watch = Watch(cluster.daemons, cluster.now)
     watch.start()
     rng = random.Random(seed)
     events: list[Event] = []
-    ends_at, every_s = schedule.duration_s, schedule.fault_every_s
+    ends_at, every_s, started = schedule.duration_s, schedule.fault_every_s, 0.0
     try:
-        next_fault = every_s
+        # The run starts once every learner has joined: on a busy machine starting the
+        # daemons can take a good part of a short run, with nothing yet to break or measure.
+        wait_until(
+            lambda: all(any(p.versions for p in points) for points in watch.learners.values()),
+            JOIN_TIMEOUT_S,
+            "every learner joining",
+        )
+        started = cluster.now()
+        ends_at, next_fault = started + ends_at, started + every_s
         while cluster.now() < ends_at:
             quiet_tail = cluster.now() > ends_at - schedule.tail_s()
             if faults and not quiet_tail and cluster.now() >= next_fault:
-                kind = KINDS[len(events) // 2 % len(KINDS)]  # every kind in turn
+                kind = kinds[len(events) // 2 % len(kinds)]  # every kind in turn
                 events += inject(cluster, kind, rng, rng.uniform(*schedule.fault_length_s))
                 next_fault = cluster.now() + every_s * rng.uniform(0.5, 1.5)
                 if len(events) // 2 == schedule.max_faults:
                     ends_at = min(ends_at, cluster.now() + schedule.tail_s())
+                # A restart slowed by a busy machine may end late: training follows it anyway.
+                ends_at = max(ends_at, cluster.now() + schedule.quiet_tail_s)
             time.sleep(min(0.2, every_s / 10))
     finally:
-        duration_s = cluster.now()
+        duration_s = cluster.now() - started
         dead = cluster.dead()
         cluster.stop_learners()
         watch.stop()  # after the learners' last merges, before the server goes
         cluster.stop()
-    return Run(events, dead, watch, duration_s)
+    return Run(events, dead, watch, fragments, duration_s)
 
 
 def version_regressions(versions: Iterable[Sequence[int]]) -> int:
@@ -198,19 +238,19 @@ def evaluate(faulty: Run, fault_free: Run) -> Report:
         for points in faulty.watch.learners.values()
     )
     report.dead_processes = faulty.dead
-    rounds = round_times(faulty.watch.server)
+    rounds = faulty.round_times()
     report.faults_without_progress = sum(
         1 for e in events if e.phase == "end" and not any(t > e.t_s for t in rounds)
     )
     # Each token is counted once per fragment it reached.
-    tokens, free_tokens = merged_tokens(faulty.watch.server), merged_tokens(fault_free.watch.server)
-    report.useful_tokens = int(tokens[-1][1]) // FRAGMENTS if tokens else 0
+    tokens, free_tokens = faulty.merged_tokens(), fault_free.merged_tokens()
+    report.useful_tokens = int(tokens[-1][1]) // faulty.fragments if tokens else 0
     # What the same learners do without faults.
-    report.capacity_tokens = int(free_tokens[-1][1]) // FRAGMENTS if free_tokens else 0
+    report.capacity_tokens = int(free_tokens[-1][1]) // faulty.fragments if free_tokens else 0
     report.goodput = report.useful_tokens / max(1, report.capacity_tokens)
     report.final_eval_loss = mean_recent_eval_loss(faulty.watch)
     # The fault-free run at the point where it had trained the same (useful) tokens.
-    same_tokens_at = time_reaching(free_tokens, report.useful_tokens * FRAGMENTS)
+    same_tokens_at = time_reaching(free_tokens, report.useful_tokens * faulty.fragments)
     report.fault_free_eval_loss = mean_recent_eval_loss(fault_free.watch, before=same_tokens_at)
     report.fault_free_final_eval_loss = mean_recent_eval_loss(fault_free.watch)
     report.loss_gap = report.final_eval_loss / report.fault_free_final_eval_loss - 1
@@ -224,7 +264,12 @@ def evaluate(faulty: Run, fault_free: Run) -> Report:
     return report
 
 
-def verdict(report: Report, min_faults: int = 0, max_loss_gap: float | None = None) -> list[str]:
+def verdict(
+    report: Report,
+    kinds: Sequence[str] = KINDS,
+    min_faults: int = 0,
+    max_loss_gap: float | None = None,
+) -> list[str]:
     """What failed, one line each; empty when the run passed. The loss check is two-sided
     (a run with faults far better than without is as suspect); NaN losses fail it."""
     failures = []
@@ -236,8 +281,8 @@ def verdict(report: Report, min_faults: int = 0, max_loss_gap: float | None = No
         failures.append(f"{report.faults_without_progress} faults not followed by a round")
     # A run asked for enough faults must have had every kind (they come in turn); a timed
     # run on a busy machine may fit fewer, which breaks nothing.
-    missing = [kind for kind in KINDS if not report.faults_by_kind.get(kind)]
-    if missing and min_faults >= len(KINDS):
+    missing = [kind for kind in kinds if not report.faults_by_kind.get(kind)]
+    if missing and min_faults >= len(kinds):
         failures.append(f"faults never injected: {', '.join(missing)}")
     injected = sum(report.faults_by_kind.values())
     if injected < min_faults:
@@ -289,6 +334,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--max-loss-gap", type=float, help="fail if |final / fault-free loss - 1| exceeds this"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shards", type=int, default=1, help="the aggregator as N shards")
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true", help="60 s with a fault every 6 s")
     preset.add_argument("--soak", action="store_true", help="1,000 faults (module docstring)")
@@ -299,8 +345,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     low, high = args.fault_length_s
-    if args.learners < 1 or args.duration_s <= 0 or args.fault_every_s <= 0:
-        parser.error("--learners, --duration-s and --fault-every-s must be positive")
+    if min(args.learners, args.shards) < 1 or args.duration_s <= 0 or args.fault_every_s <= 0:
+        parser.error("--learners, --shards, --duration-s and --fault-every-s must be positive")
     if not 0 < low <= high or args.faults < 0 or not args.quiet_tail_s >= 0:
         parser.error("--fault-length-s needs 0 < MIN <= MAX; --faults, --quiet-tail-s >= 0")
     if args.max_loss_gap is not None and not args.max_loss_gap > 0:
@@ -317,12 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     schedule = Schedule(
         args.duration_s, args.fault_every_s, lengths, args.faults, args.quiet_tail_s
     )
-    faulty = run(root / "faults", args.learners, schedule, args.seed, faults=True)
+    faulty = run(root / "faults", args.learners, schedule, args.seed, True, args.shards)
     # Fault-free for as long as the run with faults lasted.
     same_length = Schedule(faulty.duration_s, args.fault_every_s)
-    fault_free = run(root / "fault-free", args.learners, same_length, args.seed, faults=False)
+    fault_free = run(root / "fault-free", args.learners, same_length, args.seed, False, args.shards)
     report = evaluate(faulty, fault_free)
-    report.failures = verdict(report, args.faults, args.max_loss_gap)
+    kinds = SHARD_KINDS if args.shards > 1 else KINDS
+    report.failures = verdict(report, kinds, args.faults, args.max_loss_gap)
     report.wall_s = time.monotonic() - started
     report.command = shlex.join(["diloco-chaos", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps({k: v for k, v in asdict(report).items() if k != "timeline"}, indent=1))

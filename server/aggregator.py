@@ -31,7 +31,7 @@ import torch
 from common.errors import FailedPrecondition, InvalidArgument
 from server.config import AggregatorSections
 from server.events import AggregatorEvents
-from server.fragment import FragmentState, PullResult
+from server.fragment import FragmentState, PullResult, RoundSummary
 from server.global_params import GlobalParams, ParamSpec, check_fingerprint
 from server.influence import check_tokens_per_step
 from server.ingest import DenseBody, PushBody
@@ -39,6 +39,7 @@ from server.intake import PushIntake, PushRefused, check_shapes
 from server.membership import Membership, Session
 from server.persistence import Persistence, Restored, state_identity
 from server.rounds import round_policy
+from server.sharding import ShardMap
 
 __all__ = ["Aggregator", "JoinResult"]
 
@@ -54,6 +55,7 @@ class JoinResult:
     mode: str
     layout: str
     schedule_step: int = 0  # policy.estimated_schedule_step of the other live learners
+    shard_map: ShardMap | None = None  # which shard owns each fragment (server/sharding.py)
 
 
 class Aggregator:
@@ -72,9 +74,9 @@ class Aggregator:
         self._cond = threading.Condition()
         self._members = Membership(config.membership, clock)
         self._rounds = round_policy(config.rounds, config.outer, clock)
-        self._params = GlobalParams(config.streaming, self._rounds.new_outer)
+        self._params = GlobalParams(config.streaming, self._rounds.new_outer, config.sharding)
         self._intake = PushIntake(self._members, self._params, self._rounds, self.events)
-        identity = state_identity(config.streaming, config.rounds.mode)
+        identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
         self._persistence = Persistence(config.persistence, identity, self.events)
         if (restored := self._persistence.restore()) is not None:
             self.resume(restored)
@@ -82,11 +84,7 @@ class Aggregator:
     def resume(self, restored: Restored) -> None:
         """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's)."""
         with self._cond:
-            self._params.restore(restored.fingerprint, restored.fragments)
-            for record in restored.updates:  # one record in memory at a time
-                fragment = self._params.fragments[record.fragment_id]
-                self._rounds.before_replay(fragment, record.outer_every)
-                fragment.apply_mean(record.mean)
+            self._params.restore(restored, self._rounds.before_replay)
 
     def checkpoint(self) -> None:
         """Write a snapshot now (at shutdown, so a restart replays nothing)."""
@@ -117,6 +115,7 @@ class Aggregator:
                 mode=self._rounds.mode,
                 layout=self.config.streaming.layout,
                 schedule_step=schedule_step,
+                shard_map=self._params.shard_map,
             )
 
     def heartbeat(
@@ -175,6 +174,11 @@ class Aggregator:
         """(fragment_id, parameter indices, version) of every fragment."""
         with self._cond:
             return self._params.layout()
+
+    def owned(self, crc: bool = False) -> tuple[ShardMap | None, list[tuple[int, int, int]]]:
+        """The shard map (None before a fingerprint) and GlobalParams.owned(crc)."""
+        with self._cond:
+            return self._params.shard_map, self._params.owned(crc)
 
     def live_learners(self) -> list[str]:
         with self._cond:
@@ -293,15 +297,19 @@ class Aggregator:
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
         if self._persistence.round_closed():
             self._snapshot()
-        log.info(
-            "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
-            fragment.fragment_id,
-            summary.version,
-            summary.contributors,
-            summary.tokens,
-            summary.outer_step_s,
-        )
+        _log_round(fragment.fragment_id, summary)
         self._cond.notify_all()
 
     def _snapshot(self) -> None:
         self._persistence.snapshot(self._params.fingerprint or [], self._params.fragments)
+
+
+def _log_round(fragment_id: int, summary: RoundSummary) -> None:
+    log.info(
+        "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
+        fragment_id,
+        summary.version,
+        summary.contributors,
+        summary.tokens,
+        summary.outer_step_s,
+    )

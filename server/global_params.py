@@ -9,13 +9,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.fragments import layout_fragments
 from common.sparse import topk_k
-from server.config import StreamingConfig
+from server.config import ShardingConfig, StreamingConfig
 from server.fragment import FragmentState
 from server.outer import OuterOptimizer
+from server.sharding import ShardMap
+
+if TYPE_CHECKING:  # persistence imports ParamSpec from here
+    from server.persistence import Restored
 
 MAX_MODEL_VALUES = 1 << 40
 
@@ -30,12 +35,21 @@ class ParamSpec:
 
 
 class GlobalParams:
-    """The run's fingerprint and fragments; empty until the first learner joins."""
+    """The run's fingerprint and fragments; empty until the first learner joins. Every
+    fragment of the layout is built, but only those this shard owns (server/sharding.py)
+    ever hold parameters: the others are refused by `fragment`."""
 
-    def __init__(self, streaming: StreamingConfig, new_outer: Callable[[], OuterOptimizer]) -> None:
+    def __init__(
+        self,
+        streaming: StreamingConfig,
+        new_outer: Callable[[], OuterOptimizer],
+        sharding: ShardingConfig | None = None,
+    ) -> None:
         self.fingerprint: list[ParamSpec] | None = None
         self.fragments: list[FragmentState] = []
+        self.shard_map: ShardMap | None = None  # with the fingerprint
         self._streaming = streaming
+        self._sharding = sharding or ShardingConfig()
         self._new_outer = new_outer
 
     def adopt(self, fingerprint: list[ParamSpec]) -> None:
@@ -46,16 +60,26 @@ class GlobalParams:
         elif fingerprint != self.fingerprint:
             raise FailedPrecondition(_fingerprint_mismatch(self.fingerprint, fingerprint))
 
-    def restore(self, fingerprint: list[ParamSpec], states: list[dict]) -> None:
-        """Rebuild the fragments of a state dir's snapshot (FragmentState.state_dict()s)."""
-        fragments = self._build(fingerprint)
-        for fragment, state in zip(fragments, states, strict=True):
+    def restore(
+        self, restored: Restored, before_replay: Callable[[FragmentState, int], None]
+    ) -> None:
+        """Rebuild the fragments of a state dir's snapshot, then replay its log's outer
+        steps, one record in memory at a time (`before_replay`: the round policy's)."""
+        fragments = self._build(restored.fingerprint)
+        for fragment, state in zip(fragments, restored.fragments, strict=True):
             fragment.load_state_dict(state)
-        self.fingerprint, self.fragments = fingerprint, fragments
+        self.fingerprint, self.fragments = restored.fingerprint, fragments
+        for record in restored.updates:
+            fragment = self.fragments[record.fragment_id]
+            before_replay(fragment, record.outer_every)
+            fragment.apply_mean(record.mean)
 
     def fragment(self, fragment_id: int) -> FragmentState:
+        """A fragment this shard owns (FailedPrecondition naming the owner otherwise)."""
         if not 0 <= fragment_id < len(self.fragments):
             raise NotFound(f"fragment {fragment_id} does not exist")
+        if self.shard_map is not None:
+            self.shard_map.check_owned(fragment_id)
         return self.fragments[fragment_id]
 
     def has(self, fragment_id: int) -> bool:
@@ -64,6 +88,15 @@ class GlobalParams:
     def version_of(self, fragment_id: int) -> int:
         """The fragment's version, or -2 (below any version) while it does not exist."""
         return self.fragments[fragment_id].version if self.has(fragment_id) else -2
+
+    def owned(self, crc: bool = False) -> list[tuple[int, int, int]]:
+        """(fragment_id, version, params CRC) of each fragment this shard owns; the CRC (as a
+        pull reports it) only with `crc` and once the fragment has parameters, else 0."""
+        return [
+            (f.fragment_id, f.version, f.pull(f.version).params_crc32 if crc and f.params else 0)
+            for f in self.fragments
+            if self.shard_map is None or self.shard_map.owns(f.fragment_id)
+        ]
 
     def layout(self) -> list[tuple[int, list[int], int]]:
         """(fragment_id, parameter indices, version) of every fragment."""
@@ -76,6 +109,10 @@ class GlobalParams:
             groups = layout_fragments([s.name for s in specs], numels, cfg.fragments, cfg.layout)
         except ValueError as err:  # the model does not fit the server's layout
             raise FailedPrecondition(str(err)) from err
+        shards = self._sharding
+        self.shard_map = ShardMap.build(
+            shards.shard_index, shards.shard_count, specs, groups, cfg.layout
+        )
         return [
             FragmentState(
                 fragment_id=fid,

@@ -122,10 +122,10 @@ class _StateCollector(Collector):
         agg = self.aggregator
         versions = GaugeMetricFamily(
             "diloco_server_fragment_version",
-            "Current global version of each fragment (-1: not initialised).",
+            "Current global version of each fragment this shard owns (-1: not initialised).",
             labels=["fragment"],
         )
-        for fid, _, version in agg.layout():
+        for fid, version, _ in agg.owned()[1]:
             versions.add_metric([str(fid)], version)
         yield versions
         yield GaugeMetricFamily(

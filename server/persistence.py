@@ -52,10 +52,11 @@ from common.checksum import crc32
 from common.codec import codec_id
 from common.errors import NotFound
 from common.sparse_wire import SPARSE_CODECS
-from server.config import PersistenceConfig, StreamingConfig
+from server.config import PersistenceConfig, ShardingConfig, StreamingConfig
 from server.events import AggregatorEvents
 from server.fragment import FragmentState
 from server.global_params import ParamSpec
+from server.sharding import check_state_dir_shard, shard_identity
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +84,20 @@ class Restored:
     updates: Iterator[LogRecord]  # each the next version of its fragment; read it to the end
 
 
-def state_identity(streaming: StreamingConfig, mode: str) -> dict:
+def state_identity(
+    streaming: StreamingConfig, mode: str, sharding: ShardingConfig | None = None
+) -> dict:
     """The settings a state dir is bound to: a dir written with others is refused, since its
     fragments, codec state and outer optimizer would not fit (a sparse pull codec's kept
-    fraction too: replaying the log with another would not rebuild the served replicas)."""
+    fraction too: replaying the log with another would not rebuild the served replicas; a
+    shard's index and the shard count too, server/sharding.py)."""
+    sharding = sharding or ShardingConfig()
     identity = {
         "fragments": streaming.fragments,
         "layout": streaming.layout,
         "mode": mode,
         "pull_codec": streaming.pull_codec,
+        **shard_identity(sharding.shard_index, sharding.shard_count),
     }
     if codec_id(streaming.pull_codec) in SPARSE_CODECS:
         identity["pull_topk_fraction"] = streaming.pull_topk_fraction
@@ -122,6 +128,14 @@ class Persistence:
         if self._store is None:
             return None
         restored = _restore(self._store)
+        if restored is not None:
+            mine = self._identity
+            check_state_dir_shard(
+                self.state_dir,
+                restored.identity,
+                mine.get("shard_index", 0),
+                mine.get("shard_count", 1),
+            )
         if restored is not None and restored.identity != self._identity:
             raise ValueError(
                 f"state dir {self.state_dir} was written with {restored.identity}; "

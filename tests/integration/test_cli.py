@@ -34,6 +34,10 @@ def run(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedPro
         ("learner.main", ["--n-embd", "30", "--n-head", "4"], "n_embd (30) must be divisible"),
         ("learner.main", ["--corpus", "/no/such/folder"], "corpus folder /no/such/folder"),
         ("learner.main", ["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
+        ("learner.main", ["--server", "a:1,b"], "server must be host:port, got 'b'"),
+        ("server.main", ["--shard-count", "2", "--shard-index", "2"], "shard_index must be in"),
+        ("server.main", ["--shard-count", "3", "--fragments", "2"], "must not exceed fragments"),
+        ("deploy.status", ["--server", "nowhere"], "server must be host:port"),
     ],
 )
 def test_bad_flags_give_one_clear_error(module: str, args: list[str], message: str) -> None:
@@ -58,3 +62,15 @@ def test_learner_reports_an_unreachable_server() -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert f"cannot reach the server at 127.0.0.1:{port}" in result.stderr
+
+
+def test_status_reports_an_unreachable_server() -> None:
+    with socket.socket() as sock:  # a loopback port that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = run("deploy.status", "--server", f"127.0.0.1:{port}", "--insecure")
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip() == (
+        f"diloco-status: error: cannot reach 127.0.0.1:{port} (UNAVAILABLE)"
+    )
