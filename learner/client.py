@@ -109,6 +109,14 @@ class AggregatorClient:
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
         return self._unary(self._stub.Heartbeat, request)
 
+    def describe_shards(self) -> pb.DescribeShardsResponse:
+        """The server's place in the shard map, and where the other shards are."""
+        return self._unary(self._stub.DescribeShards, pb.DescribeShardsRequest())
+
+    def status(self) -> pb.StatusResponse:
+        """What the server sees now (diloco-status)."""
+        return self._unary(self._stub.Status, pb.StatusRequest())
+
     def leave(self, session_id: str) -> None:
         self._unary(self._stub.Leave, pb.LeaveRequest(session_id=session_id))
 

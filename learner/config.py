@@ -29,7 +29,8 @@ class ConnectionConfig:
     """Where the aggregator is and how this learner proves who it is."""
 
     server: str = "127.0.0.1:50051"
-    """host:port of the aggregator."""
+    """host:port of the aggregator; for a sharded one, every shard's, comma-separated in
+    index order, or one shard's (the others are then discovered: learner/shards.py)."""
     learner_id: str = ""
     """Unique name of this learner (default: hostname-pid); its token, lease, rate limit and
     checkpoint belong to this name."""
@@ -48,14 +49,21 @@ class ConnectionConfig:
     """Give up if the server cannot be reached for this long at start."""
 
     def __post_init__(self) -> None:
-        if ":" not in self.server:
-            raise ValueError(f"server must be host:port, got {self.server!r}")
+        for address in self.addresses():
+            if ":" not in address:
+                raise ValueError(f"server must be host:port, got {address!r}")
+        if not self.addresses():
+            raise ValueError("server must name at least one host:port")
         if not self.learner_id:
             self.learner_id = f"{os.uname().nodename}-{os.getpid()}"
         if self.insecure and (self.tls_ca or self.tls_cert or self.tls_key):
             raise ValueError("insecure and tls_* settings exclude each other: choose one")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
+
+    def addresses(self) -> list[str]:
+        """The shard addresses `server` lists, in index order."""
+        return [a.strip() for a in self.server.split(",") if a.strip()]
 
 
 @dataclass(kw_only=True)

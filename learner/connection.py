@@ -1,6 +1,6 @@
 """The learner's channel to the aggregator: TLS credentials and the per-call metadata.
 
-    client = connect(config.connection)    # an AggregatorClient; nothing is sent yet
+    client = connect(config.connection)    # a ShardedClient; nothing is sent yet
 
 Every call carries the learner id (the server's rate limits are per learner,
 server/ratelimit.py) and, with an auth_token_file, the learner's token (server/auth.py).
@@ -13,18 +13,19 @@ from pathlib import Path
 
 from common.rpc import LEARNER_ID_HEADER
 from common.tls import channel_credentials
-from learner.client import AggregatorClient
 from learner.config import ConnectionConfig
+from learner.shards import ShardedClient
 
 
-def connect(config: ConnectionConfig) -> AggregatorClient:
-    """A client for `config.server`, in plaintext only when `insecure` says so."""
+def connect(config: ConnectionConfig) -> ShardedClient:
+    """A client for the shards `config.server` lists (or the one it names and the others it
+    advertises: learner/shards.py), in plaintext only when `insecure` says so."""
     credentials = (
         None
         if config.insecure
         else channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
     )
-    return AggregatorClient(config.server, credentials, auth_metadata(config))
+    return ShardedClient(config.addresses(), credentials, auth_metadata(config))
 
 
 def auth_metadata(config: ConnectionConfig) -> tuple[tuple[str, str], ...]:

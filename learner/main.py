@@ -25,6 +25,7 @@ from common.config import config_parser, parse_command_line
 from common.metrics_http import serve_metrics
 from learner.config import LearnerConfig
 from learner.island import Island
+from learner.shards import ShardMapError
 from learner.trainer import Learner
 
 
@@ -66,6 +67,8 @@ def main() -> None:
         )
     except grpc.RpcError as err:
         sys.exit(f"diloco-learner: error: the server answered {err.code().name}: {err.details()}")
+    except ShardMapError as err:
+        sys.exit(f"diloco-learner: error: {err}")
     finally:
         learner.island.close(finished)
     if not learner.island.is_leader:

@@ -58,7 +58,9 @@ class SyncSession:
         self.tokens_per_step = tokens_per_step
         self.client = connect(config.connection)
         self.membership = Membership()  # replaced at each join
-        self.transport = GrpcTransport(self.client, lambda: self.membership.session_id)
+        self.transport = GrpcTransport(
+            self.client, lambda: self.membership.session_id, self.client.shard_of
+        )
         self.replicas = ReplicaLoader(self.client, self.transport, self.params, self.learner_id)
         self.sync: StreamingSync | None = None
         self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)

@@ -1,8 +1,10 @@
 """Fragment syncs over gRPC on a background thread, so training continues while they travel.
 
-One worker thread runs syncs in the order they were started: push the pseudo-gradient, then
-long-poll PullParams until the round it joined has closed. The training loop collects the
-result at the merge point (StreamingSync.merge_phase) and only waits if it is not back yet.
+One worker thread per shard (learner/shards.py) runs that shard's syncs in the order they
+were started: push the pseudo-gradient, then long-poll PullParams until the round it joined
+has closed. A shard that is down stalls only its own fragments' syncs. The training loop
+collects the result at the merge point (StreamingSync.merge_phase) and only waits if it is
+not back yet.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import grpc
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import Stopped, call_with_retry
 from learner.client import AggregatorClient
+from learner.shards import ShardedClient
 from learner.streaming import PullReply
 
 log = logging.getLogger("diloco.learner")
@@ -33,8 +36,15 @@ class GrpcTransport:
     learner joins again and pulls snapshots (Learner._join).
     """
 
-    def __init__(self, client: AggregatorClient, session_id: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        client: AggregatorClient | ShardedClient,
+        session_id: Callable[[], str],
+        shard_of: Callable[[int], int] = lambda fragment_id: 0,
+    ) -> None:
+        """`shard_of`: the shard that owns a fragment (each shard's syncs get a thread)."""
         self.client = client
+        self.shard_of = shard_of
         self.session_id = session_id
         self.stale_pushes = 0
         self.retries = 0
@@ -42,13 +52,16 @@ class GrpcTransport:
         # for each generation of syncs.
         self._abandon = threading.Event()
         self.stop_requested = threading.Event()  # the learner's stop (Learner.run sets it)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sync")
+        self._workers: dict[int, ThreadPoolExecutor] = {}  # by shard, made when first used
 
     def start_sync(
         self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
     ) -> Future[PullReply]:
         session = self.session_id()  # fixed now: a rejoin later must not adopt this push
-        return self._worker.submit(
+        shard = self.shard_of(fragment_id)
+        if shard not in self._workers:
+            self._workers[shard] = ThreadPoolExecutor(1, thread_name_prefix=f"sync{shard}")
+        return self._workers[shard].submit(
             self._sync,
             self._abandon,
             session,
@@ -79,7 +92,8 @@ class GrpcTransport:
 
     def close(self) -> None:
         self._abandon.set()
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        for worker in self._workers.values():
+            worker.shutdown(wait=True, cancel_futures=True)
 
     def pull(
         self,
@@ -103,14 +117,20 @@ class GrpcTransport:
                     session, fragment_id, have_version, wait_for_version, PULL_WAIT_S
                 )
 
-            header, payload = self._retry(call, abandon) if retry else call()
+            header, payload = self._retry(call, abandon, fragment_id) if retry else call()
             if header.version >= wait_for_version:
                 return PullReply(header.kind, header.version, payload, header.params_crc32)
 
-    def _retry(self, call, abandon: threading.Event):
+    def _retry(self, call, abandon: threading.Event, fragment_id: int):
         def note(err: grpc.RpcError, delay_s: float) -> None:
             self.retries += 1
-            log.warning("server unreachable (%s); retrying in %.1f s", err.code().name, delay_s)
+            log.warning(
+                "fragment=%d shard=%d unreachable (%s); retrying in %.1f s",
+                fragment_id,
+                self.shard_of(fragment_id),
+                err.code().name,
+                delay_s,
+            )
 
         if abandon.is_set():
             raise Stopped()
@@ -135,7 +155,9 @@ class GrpcTransport:
             kind=pb.PUSH_KIND_DELTA,
         )
         try:
-            target = self._retry(lambda: self.client.push(header, payload), abandon).round_version
+            target = self._retry(
+                lambda: self.client.push(header, payload), abandon, fragment_id
+            ).round_version
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.ALREADY_EXISTS:
                 # A retry of a push whose first attempt did arrive: it counts once, as it should.

@@ -31,13 +31,14 @@ import torch
 from common.errors import FailedPrecondition, InvalidArgument
 from server.config import AggregatorSections
 from server.events import AggregatorEvents
-from server.fragment import FragmentState, PullResult
+from server.fragment import FragmentState, PullResult, RoundSummary
 from server.global_params import GlobalParams, ParamSpec, check_fingerprint
 from server.ingest import DenseBody, PushBody
 from server.intake import PushIntake, PushRefused, check_shapes
 from server.membership import Membership, Session
 from server.persistence import Persistence, Restored, state_identity
 from server.rounds import round_policy
+from server.sharding import ShardMap
 
 __all__ = ["Aggregator", "JoinResult"]
 
@@ -53,6 +54,7 @@ class JoinResult:
     mode: str
     layout: str
     schedule_step: int = 0  # policy.estimated_schedule_step of the other live learners
+    shard_map: ShardMap | None = None  # which shard owns each fragment (server/sharding.py)
 
 
 class Aggregator:
@@ -71,11 +73,11 @@ class Aggregator:
         self._cond = threading.Condition()
         self._members = Membership(config.membership, clock)
         self._rounds = round_policy(config.rounds, config.outer, clock)
-        self._params = GlobalParams(config.streaming, self._rounds.new_outer)
+        self._params = GlobalParams(config.streaming, self._rounds.new_outer, config.sharding)
         self._intake = PushIntake(
             self._members, self._params, self._rounds, config.rounds.max_norm_ratio
         )
-        identity = state_identity(config.streaming, config.rounds.mode)
+        identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
         self._persistence = Persistence(config.persistence, identity, self.events)
         if (restored := self._persistence.restore()) is not None:
             self.resume(restored)
@@ -83,11 +85,7 @@ class Aggregator:
     def resume(self, restored: Restored) -> None:
         """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's)."""
         with self._cond:
-            self._params.restore(restored.fingerprint, restored.fragments)
-            for record in restored.updates:  # one record in memory at a time
-                fragment = self._params.fragments[record.fragment_id]
-                self._rounds.before_replay(fragment, record.outer_every)
-                fragment.apply_mean(record.mean)
+            self._params.restore(restored, self._rounds.before_replay)
 
     def checkpoint(self) -> None:
         """Write a snapshot now (at shutdown, so a restart replays nothing)."""
@@ -115,6 +113,7 @@ class Aggregator:
                 mode=self._rounds.mode,
                 layout=self.config.streaming.layout,
                 schedule_step=schedule_step,
+                shard_map=self._params.shard_map,
             )
 
     def heartbeat(
@@ -173,6 +172,16 @@ class Aggregator:
         """(fragment_id, parameter indices, version) of every fragment."""
         with self._cond:
             return self._params.layout()
+
+    def owned(self) -> tuple[ShardMap | None, list[tuple[int, int, int]]]:
+        """The shard map (None before a fingerprint), (id, version, crc) of owned fragments."""
+        with self._cond:
+            shard_map = self._params.shard_map
+            return shard_map, [
+                (f.fragment_id, f.version, f.pull(f.version).params_crc32)
+                for f in self._params.fragments
+                if f.params is not None and (shard_map is None or shard_map.owns(f.fragment_id))
+            ]
 
     def live_learners(self) -> list[str]:
         with self._cond:
@@ -293,15 +302,19 @@ class Aggregator:
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
         if self._persistence.round_closed():
             self._snapshot()
-        log.info(
-            "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
-            fragment.fragment_id,
-            summary.version,
-            summary.contributors,
-            summary.tokens,
-            summary.outer_step_s,
-        )
+        _log_round(fragment.fragment_id, summary)
         self._cond.notify_all()
 
     def _snapshot(self) -> None:
         self._persistence.snapshot(self._params.fingerprint or [], self._params.fragments)
+
+
+def _log_round(fragment_id: int, summary: RoundSummary) -> None:
+    log.info(
+        "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
+        fragment_id,
+        summary.version,
+        summary.contributors,
+        summary.tokens,
+        summary.outer_step_s,
+    )

@@ -169,6 +169,40 @@ class PersistenceConfig:
 
 
 @dataclass(kw_only=True)
+class ShardingConfig:
+    """The aggregator as shard i of N: each owns some fragments (server/sharding.py)."""
+
+    shard_index: int = 0
+    """This server's index among the shards, from 0."""
+    shard_count: int = 1
+    """N, the number of shards the fragments are spread over (1: one server holds them all)."""
+    shard_addresses: str = ""
+    """host:port of every shard, in index order, comma-separated: the addresses learners
+    given one shard's address discover (DescribeShards). Empty: learners must list them."""
+
+    def __post_init__(self) -> None:
+        if self.shard_count < 1:
+            raise ValueError(f"shard_count must be >= 1, got {self.shard_count}")
+        if not 0 <= self.shard_index < self.shard_count:
+            raise ValueError(
+                f"shard_index must be in [0, shard_count) = [0, {self.shard_count}), "
+                f"got {self.shard_index}"
+            )
+        addresses = self.addresses()
+        if addresses and len(addresses) != self.shard_count:
+            raise ValueError(
+                f"shard_addresses lists {len(addresses)} addresses; it must list all "
+                f"{self.shard_count} shards, in index order"
+            )
+        for address in addresses:
+            if ":" not in address:
+                raise ValueError(f"shard_addresses: {address!r} is not host:port")
+
+    def addresses(self) -> list[str]:
+        return [a.strip() for a in self.shard_addresses.split(",") if a.strip()]
+
+
+@dataclass(kw_only=True)
 class NetworkConfig:
     """Where the server listens, and who may talk to it (TLS, per-learner tokens)."""
 
@@ -257,6 +291,7 @@ class AggregatorSections(Protocol):
     outer: OuterConfig
     streaming: StreamingConfig
     persistence: PersistenceConfig
+    sharding: ShardingConfig
 
 
 @dataclass(kw_only=True)
@@ -269,6 +304,7 @@ class AggregatorConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
     def __post_init__(self) -> None:
         check_aggregator_sections(self)
@@ -284,6 +320,7 @@ class ServerConfig:
     outer: OuterConfig = field(default_factory=OuterConfig)
     streaming: StreamingConfig = field(default_factory=StreamingConfig)
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
@@ -294,7 +331,13 @@ class ServerConfig:
 
 
 def check_aggregator_sections(config: AggregatorSections) -> None:
-    """What spans the Aggregator's sections: the outer optimizer must suit the mode."""
+    """What spans the Aggregator's sections: the outer optimizer must suit the mode, and
+    every shard must own a fragment."""
+    if config.sharding.shard_count > config.streaming.fragments:
+        raise ValueError(
+            f"shard_count ({config.sharding.shard_count}) must not exceed fragments "
+            f"({config.streaming.fragments}): every shard owns at least one fragment"
+        )
     if config.outer.outer_momentum_warmup_rounds and config.rounds.mode == "async":
         raise ValueError(
             "outer_momentum_warmup_rounds is for sync and quorum modes; async mode's "

@@ -9,12 +9,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.fragments import layout_fragments
-from server.config import StreamingConfig
+from server.config import ShardingConfig, StreamingConfig
 from server.fragment import FragmentState
 from server.outer import OuterOptimizer
+from server.sharding import ShardMap
+
+if TYPE_CHECKING:  # persistence imports ParamSpec from here
+    from server.persistence import Restored
 
 MAX_MODEL_VALUES = 1 << 40
 
@@ -29,12 +34,21 @@ class ParamSpec:
 
 
 class GlobalParams:
-    """The run's fingerprint and fragments; empty until the first learner joins."""
+    """The run's fingerprint and fragments; empty until the first learner joins. Every
+    fragment of the layout is built, but only those this shard owns (server/sharding.py)
+    ever hold parameters: the others are refused by `fragment`."""
 
-    def __init__(self, streaming: StreamingConfig, new_outer: Callable[[], OuterOptimizer]) -> None:
+    def __init__(
+        self,
+        streaming: StreamingConfig,
+        new_outer: Callable[[], OuterOptimizer],
+        sharding: ShardingConfig | None = None,
+    ) -> None:
         self.fingerprint: list[ParamSpec] | None = None
         self.fragments: list[FragmentState] = []
+        self.shard_map: ShardMap | None = None  # with the fingerprint
         self._streaming = streaming
+        self._sharding = sharding or ShardingConfig()
         self._new_outer = new_outer
 
     def adopt(self, fingerprint: list[ParamSpec]) -> None:
@@ -45,16 +59,26 @@ class GlobalParams:
         elif fingerprint != self.fingerprint:
             raise FailedPrecondition(_fingerprint_mismatch(self.fingerprint, fingerprint))
 
-    def restore(self, fingerprint: list[ParamSpec], states: list[dict]) -> None:
-        """Rebuild the fragments of a state dir's snapshot (FragmentState.state_dict()s)."""
-        fragments = self._build(fingerprint)
-        for fragment, state in zip(fragments, states, strict=True):
+    def restore(
+        self, restored: Restored, before_replay: Callable[[FragmentState, int], None]
+    ) -> None:
+        """Rebuild the fragments of a state dir's snapshot, then replay its log's outer
+        steps, one record in memory at a time (`before_replay`: the round policy's)."""
+        fragments = self._build(restored.fingerprint)
+        for fragment, state in zip(fragments, restored.fragments, strict=True):
             fragment.load_state_dict(state)
-        self.fingerprint, self.fragments = fingerprint, fragments
+        self.fingerprint, self.fragments = restored.fingerprint, fragments
+        for record in restored.updates:
+            fragment = self.fragments[record.fragment_id]
+            before_replay(fragment, record.outer_every)
+            fragment.apply_mean(record.mean)
 
     def fragment(self, fragment_id: int) -> FragmentState:
+        """A fragment this shard owns (FailedPrecondition naming the owner otherwise)."""
         if not 0 <= fragment_id < len(self.fragments):
             raise NotFound(f"fragment {fragment_id} does not exist")
+        if self.shard_map is not None:
+            self.shard_map.check_owned(fragment_id)
         return self.fragments[fragment_id]
 
     def has(self, fragment_id: int) -> bool:
@@ -75,6 +99,10 @@ class GlobalParams:
             groups = layout_fragments([s.name for s in specs], numels, cfg.fragments, cfg.layout)
         except ValueError as err:  # the model does not fit the server's layout
             raise FailedPrecondition(str(err)) from err
+        shards = self._sharding
+        self.shard_map = ShardMap.build(
+            shards.shard_index, shards.shard_count, specs, groups, cfg.layout
+        )
         return [
             FragmentState(
                 fragment_id=fid,

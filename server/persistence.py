@@ -49,10 +49,11 @@ import torch
 from common.atomic import atomic_write
 from common.checksum import crc32
 from common.errors import NotFound
-from server.config import PersistenceConfig, StreamingConfig
+from server.config import PersistenceConfig, ShardingConfig, StreamingConfig
 from server.events import AggregatorEvents
 from server.fragment import FragmentState
 from server.global_params import ParamSpec
+from server.sharding import check_state_dir_shard, shard_identity
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +81,19 @@ class Restored:
     updates: Iterator[LogRecord]  # each the next version of its fragment; read it to the end
 
 
-def state_identity(streaming: StreamingConfig, mode: str) -> dict:
+def state_identity(
+    streaming: StreamingConfig, mode: str, sharding: ShardingConfig | None = None
+) -> dict:
     """The settings a state dir is bound to: a dir written with others is refused, since its
-    fragments, codec state and outer optimizer would not fit."""
+    fragments, codec state and outer optimizer would not fit (a shard's index and the
+    shard count too, server/sharding.py)."""
+    sharding = sharding or ShardingConfig()
     return {
         "fragments": streaming.fragments,
         "layout": streaming.layout,
         "mode": mode,
         "pull_codec": streaming.pull_codec,
+        **shard_identity(sharding.shard_index, sharding.shard_count),
     }
 
 
@@ -115,6 +121,14 @@ class Persistence:
         if self._store is None:
             return None
         restored = _restore(self._store)
+        if restored is not None:
+            mine = self._identity
+            check_state_dir_shard(
+                self.state_dir,
+                restored.identity,
+                mine.get("shard_index", 0),
+                mine.get("shard_count", 1),
+            )
         if restored is not None and restored.identity != self._identity:
             raise ValueError(
                 f"state dir {self.state_dir} was written with {restored.identity}; "

@@ -23,6 +23,7 @@ from server.aggregator import Aggregator
 from server.auth import authenticated_learner
 from server.global_params import ParamSpec
 from server.ingest import IngestSlots
+from server.status import PushLog, describe_shards, shard_status
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.merged_tokens = MergedTokens()
         # "accepted" or the rejection's status code name (a bounded set): for metrics.
         self.push_results: collections.Counter[str] = collections.Counter()
+        self.pushes = PushLog()  # each learner's last accepted push (Status)
         # Two per core: one push can be received while another is decoded.
         self._ingest = IngestSlots(ingest_slots or 2 * (os.cpu_count() or 1))
         self._push_results_lock = threading.Lock()
@@ -155,6 +157,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             layout=result.layout,
             schedule_step=result.schedule_step,
         )
+        if result.shard_map is not None:
+            shard_map = result.shard_map
+            response.shard_index, response.shard_count = (
+                shard_map.shard_index,
+                shard_map.shard_count,
+            )
+            response.map_id = shard_map.map_id
+            response.fragment_owners.extend(shard_map.owners)
         self.traffic.count(received=request.ByteSize(), sent=response.ByteSize())
         return response
 
@@ -198,6 +208,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     inner_steps=header.inner_steps,
                 )
                 self.merged_tokens.add(fid, version, header.tokens, agg.version(fid))
+                self.pushes.record(agg.session_learner(header.session_id), fid, version)
         response = pb.PushFragmentResponse(accepted=True, round_version=version)
         self.count_push("accepted")
         self.traffic.count(fid, sent=response.ByteSize())
@@ -252,6 +263,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.aggregator.leave(request.session_id)
         self.traffic.count(received=request.ByteSize())
         return pb.LeaveResponse()
+
+    @_abort_on_domain_error
+    def DescribeShards(self, request: pb.DescribeShardsRequest, context):
+        return describe_shards(self.aggregator)
+
+    @_abort_on_domain_error
+    def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
+        return shard_status(self.aggregator, self.pushes)
 
     def _traffic_key(self, fragment_id: int) -> int:
         """The fragment to count bytes under; unknown ids share one key (bounded labels)."""

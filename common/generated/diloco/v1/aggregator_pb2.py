@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64iloco/v1/aggregator.proto\x12\tdiloco.v1\"o\n\rEncodedTensor\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"<\n\x0f\x45ncodedFragment\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.diloco.v1.EncodedTensor\"T\n\x0f\x46ragmentUpdates\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x03\x12+\n\x07updates\x18\x02 \x03(\x0b\x32\x1a.diloco.v1.EncodedFragment\"7\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"M\n\x0e\x46ragmentLayout\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x15\n\rparam_indices\x18\x02 \x03(\r\x12\x0f\n\x07version\x18\x03 \x01(\x03\"n\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12)\n\x0b\x66ingerprint\x18\x02 \x03(\x0b\x32\x14.diloco.v1.ParamSpec\x12 \n\x06\x63odecs\x18\x03 \x03(\x0e\x32\x10.diloco.v1.Codec\"\xac\x01\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_epoch\x18\x02 \x01(\x04\x12,\n\tfragments\x18\x03 \x03(\x0b\x32\x19.diloco.v1.FragmentLayout\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x15\n\rschedule_step\x18\x07 \x01(\x03\"\xaa\x01\n\nPushHeader\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x13\n\x0binner_steps\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12!\n\x04kind\x18\x06 \x01(\x0e\x32\x13.diloco.v1.PushKind\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\"W\n\x13PushFragmentRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"O\n\x14PushFragmentResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x15\n\rround_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x84\x01\n\x11PullParamsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x14\n\x0chave_version\x18\x03 \x01(\x03\x12\x18\n\x10wait_for_version\x18\x04 \x01(\x03\x12\x16\n\x0ewait_timeout_s\x18\x05 \x01(\x01\"\x82\x01\n\nPullHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.diloco.v1.PullKind\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cparams_crc32\x18\x05 \x01(\r\"V\n\x12PullParamsResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PullHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"~\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x15\n\rschedule_step\x18\x06 \x01(\x03\"\x8e\x01\n\x11HeartbeatResponse\x12\x14\n\x0cserver_epoch\x18\x01 \x01(\x04\x12\x19\n\x11\x66ragment_versions\x18\x02 \x03(\x03\x12\x15\n\rlive_learners\x18\x03 \x01(\r\x12\x1a\n\x12median_step_time_s\x18\x04 \x01(\x01\x12\x15\n\rschedule_step\x18\x05 \x01(\x03\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse*f\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x12\n\x0e\x43ODEC_FP4_E2M1\x10\x03\x12\x12\n\x0e\x43ODEC_FP4_E3M0\x10\x04*Q\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPUSH_KIND_DELTA\x10\x01\x12\x15\n\x11PUSH_KIND_INITIAL\x10\x02*n\n\x08PullKind\x12\x19\n\x15PULL_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12PULL_KIND_SNAPSHOT\x10\x01\x12\x18\n\x14PULL_KIND_UP_TO_DATE\x10\x02\x12\x15\n\x11PULL_KIND_UPDATES\x10\x03\x32\xe9\x02\n\nAggregator\x12\x37\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x17.diloco.v1.JoinResponse\x12Q\n\x0cPushFragment\x12\x1e.diloco.v1.PushFragmentRequest\x1a\x1f.diloco.v1.PushFragmentResponse(\x01\x12K\n\nPullParams\x12\x1c.diloco.v1.PullParamsRequest\x1a\x1d.diloco.v1.PullParamsResponse0\x01\x12\x46\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x1c.diloco.v1.HeartbeatResponse\x12:\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x18.diloco.v1.LeaveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64iloco/v1/aggregator.proto\x12\tdiloco.v1\"o\n\rEncodedTensor\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\"<\n\x0f\x45ncodedFragment\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.diloco.v1.EncodedTensor\"T\n\x0f\x46ragmentUpdates\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x03\x12+\n\x07updates\x18\x02 \x03(\x0b\x32\x1a.diloco.v1.EncodedFragment\"7\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"M\n\x0e\x46ragmentLayout\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x15\n\rparam_indices\x18\x02 \x03(\r\x12\x0f\n\x07version\x18\x03 \x01(\x03\"n\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12)\n\x0b\x66ingerprint\x18\x02 \x03(\x0b\x32\x14.diloco.v1.ParamSpec\x12 \n\x06\x63odecs\x18\x03 \x03(\x0e\x32\x10.diloco.v1.Codec\"\xff\x01\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_epoch\x18\x02 \x01(\x04\x12,\n\tfragments\x18\x03 \x03(\x0b\x32\x19.diloco.v1.FragmentLayout\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x15\n\rschedule_step\x18\x07 \x01(\x03\x12\x13\n\x0bshard_index\x18\n \x01(\r\x12\x13\n\x0bshard_count\x18\x0b \x01(\r\x12\x0e\n\x06map_id\x18\x0c \x01(\t\x12\x17\n\x0f\x66ragment_owners\x18\r \x03(\r\"\xaa\x01\n\nPushHeader\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x13\n\x0binner_steps\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12!\n\x04kind\x18\x06 \x01(\x0e\x32\x13.diloco.v1.PushKind\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\"W\n\x13PushFragmentRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"O\n\x14PushFragmentResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x15\n\rround_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x84\x01\n\x11PullParamsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x14\n\x0chave_version\x18\x03 \x01(\x03\x12\x18\n\x10wait_for_version\x18\x04 \x01(\x03\x12\x16\n\x0ewait_timeout_s\x18\x05 \x01(\x01\"\x82\x01\n\nPullHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.diloco.v1.PullKind\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cparams_crc32\x18\x05 \x01(\r\"V\n\x12PullParamsResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PullHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"~\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x15\n\rschedule_step\x18\x06 \x01(\x03\"\x8e\x01\n\x11HeartbeatResponse\x12\x14\n\x0cserver_epoch\x18\x01 \x01(\x04\x12\x19\n\x11\x66ragment_versions\x18\x02 \x03(\x03\x12\x15\n\rlive_learners\x18\x03 \x01(\r\x12\x1a\n\x12median_step_time_s\x18\x04 \x01(\x01\x12\x15\n\rschedule_step\x18\x05 \x01(\x03\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x17\n\x15\x44\x65scribeShardsRequest\"\xab\x01\n\x16\x44\x65scribeShardsResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x13\n\x0bshard_count\x18\x02 \x01(\r\x12\x0e\n\x06map_id\x18\x03 \x01(\t\x12\x11\n\taddresses\x18\x04 \x03(\t\x12\x18\n\x10\x66ingerprint_hash\x18\x05 \x01(\t\x12\x11\n\tfragments\x18\x06 \x01(\r\x12\x17\n\x0f\x66ragment_owners\x18\x07 \x03(\r\"\x0f\n\rStatusRequest\"[\n\x0e\x46ragmentStatus\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05owner\x18\x03 \x01(\r\x12\x14\n\x0cparams_crc32\x18\x04 \x01(\r\"\x81\x01\n\rLearnerStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0c\n\x04live\x18\x02 \x01(\x08\x12\x1a\n\x12last_push_fragment\x18\x03 \x01(\x03\x12\x19\n\x11last_push_version\x18\x04 \x01(\x03\x12\x17\n\x0flast_push_age_s\x18\x05 \x01(\x01\"\xc9\x01\n\x0eStatusResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x13\n\x0bshard_count\x18\x02 \x01(\r\x12\x0e\n\x06map_id\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12,\n\tfragments\x18\x05 \x03(\x0b\x32\x19.diloco.v1.FragmentStatus\x12\x15\n\rrounds_closed\x18\x06 \x01(\x04\x12*\n\x08learners\x18\x07 \x03(\x0b\x32\x18.diloco.v1.LearnerStatus*f\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x12\n\x0e\x43ODEC_FP4_E2M1\x10\x03\x12\x12\n\x0e\x43ODEC_FP4_E3M0\x10\x04*Q\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPUSH_KIND_DELTA\x10\x01\x12\x15\n\x11PUSH_KIND_INITIAL\x10\x02*n\n\x08PullKind\x12\x19\n\x15PULL_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12PULL_KIND_SNAPSHOT\x10\x01\x12\x18\n\x14PULL_KIND_UP_TO_DATE\x10\x02\x12\x15\n\x11PULL_KIND_UPDATES\x10\x03\x32\xff\x03\n\nAggregator\x12\x37\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x17.diloco.v1.JoinResponse\x12Q\n\x0cPushFragment\x12\x1e.diloco.v1.PushFragmentRequest\x1a\x1f.diloco.v1.PushFragmentResponse(\x01\x12K\n\nPullParams\x12\x1c.diloco.v1.PullParamsRequest\x1a\x1d.diloco.v1.PullParamsResponse0\x01\x12\x46\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x1c.diloco.v1.HeartbeatResponse\x12:\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x18.diloco.v1.LeaveResponse\x12U\n\x0e\x44\x65scribeShards\x12 .diloco.v1.DescribeShardsRequest\x1a!.diloco.v1.DescribeShardsResponse\x12=\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x19.diloco.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco.v1.aggregator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=1750
-  _globals['_CODEC']._serialized_end=1852
-  _globals['_PUSHKIND']._serialized_start=1854
-  _globals['_PUSHKIND']._serialized_end=1935
-  _globals['_PULLKIND']._serialized_start=1937
-  _globals['_PULLKIND']._serialized_end=2047
+  _globals['_CODEC']._serialized_start=2478
+  _globals['_CODEC']._serialized_end=2580
+  _globals['_PUSHKIND']._serialized_start=2582
+  _globals['_PUSHKIND']._serialized_end=2663
+  _globals['_PULLKIND']._serialized_start=2665
+  _globals['_PULLKIND']._serialized_end=2775
   _globals['_ENCODEDTENSOR']._serialized_start=41
   _globals['_ENCODEDTENSOR']._serialized_end=152
   _globals['_ENCODEDFRAGMENT']._serialized_start=154
@@ -50,27 +50,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINREQUEST']._serialized_start=438
   _globals['_JOINREQUEST']._serialized_end=548
   _globals['_JOINRESPONSE']._serialized_start=551
-  _globals['_JOINRESPONSE']._serialized_end=723
-  _globals['_PUSHHEADER']._serialized_start=726
-  _globals['_PUSHHEADER']._serialized_end=896
-  _globals['_PUSHFRAGMENTREQUEST']._serialized_start=898
-  _globals['_PUSHFRAGMENTREQUEST']._serialized_end=985
-  _globals['_PUSHFRAGMENTRESPONSE']._serialized_start=987
-  _globals['_PUSHFRAGMENTRESPONSE']._serialized_end=1066
-  _globals['_PULLPARAMSREQUEST']._serialized_start=1069
-  _globals['_PULLPARAMSREQUEST']._serialized_end=1201
-  _globals['_PULLHEADER']._serialized_start=1204
-  _globals['_PULLHEADER']._serialized_end=1334
-  _globals['_PULLPARAMSRESPONSE']._serialized_start=1336
-  _globals['_PULLPARAMSRESPONSE']._serialized_end=1422
-  _globals['_HEARTBEATREQUEST']._serialized_start=1424
-  _globals['_HEARTBEATREQUEST']._serialized_end=1550
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1553
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1695
-  _globals['_LEAVEREQUEST']._serialized_start=1697
-  _globals['_LEAVEREQUEST']._serialized_end=1731
-  _globals['_LEAVERESPONSE']._serialized_start=1733
-  _globals['_LEAVERESPONSE']._serialized_end=1748
-  _globals['_AGGREGATOR']._serialized_start=2050
-  _globals['_AGGREGATOR']._serialized_end=2411
+  _globals['_JOINRESPONSE']._serialized_end=806
+  _globals['_PUSHHEADER']._serialized_start=809
+  _globals['_PUSHHEADER']._serialized_end=979
+  _globals['_PUSHFRAGMENTREQUEST']._serialized_start=981
+  _globals['_PUSHFRAGMENTREQUEST']._serialized_end=1068
+  _globals['_PUSHFRAGMENTRESPONSE']._serialized_start=1070
+  _globals['_PUSHFRAGMENTRESPONSE']._serialized_end=1149
+  _globals['_PULLPARAMSREQUEST']._serialized_start=1152
+  _globals['_PULLPARAMSREQUEST']._serialized_end=1284
+  _globals['_PULLHEADER']._serialized_start=1287
+  _globals['_PULLHEADER']._serialized_end=1417
+  _globals['_PULLPARAMSRESPONSE']._serialized_start=1419
+  _globals['_PULLPARAMSRESPONSE']._serialized_end=1505
+  _globals['_HEARTBEATREQUEST']._serialized_start=1507
+  _globals['_HEARTBEATREQUEST']._serialized_end=1633
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1636
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1778
+  _globals['_LEAVEREQUEST']._serialized_start=1780
+  _globals['_LEAVEREQUEST']._serialized_end=1814
+  _globals['_LEAVERESPONSE']._serialized_start=1816
+  _globals['_LEAVERESPONSE']._serialized_end=1831
+  _globals['_DESCRIBESHARDSREQUEST']._serialized_start=1833
+  _globals['_DESCRIBESHARDSREQUEST']._serialized_end=1856
+  _globals['_DESCRIBESHARDSRESPONSE']._serialized_start=1859
+  _globals['_DESCRIBESHARDSRESPONSE']._serialized_end=2030
+  _globals['_STATUSREQUEST']._serialized_start=2032
+  _globals['_STATUSREQUEST']._serialized_end=2047
+  _globals['_FRAGMENTSTATUS']._serialized_start=2049
+  _globals['_FRAGMENTSTATUS']._serialized_end=2140
+  _globals['_LEARNERSTATUS']._serialized_start=2143
+  _globals['_LEARNERSTATUS']._serialized_end=2272
+  _globals['_STATUSRESPONSE']._serialized_start=2275
+  _globals['_STATUSRESPONSE']._serialized_end=2476
+  _globals['_AGGREGATOR']._serialized_start=2778
+  _globals['_AGGREGATOR']._serialized_end=3289
 # @@protoc_insertion_point(module_scope)

@@ -99,7 +99,7 @@ class JoinRequest(_message.Message):
     def __init__(self, learner_id: _Optional[str] = ..., fingerprint: _Optional[_Iterable[_Union[ParamSpec, _Mapping]]] = ..., codecs: _Optional[_Iterable[_Union[Codec, str]]] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session_id", "server_epoch", "fragments", "lease_s", "mode", "layout", "schedule_step")
+    __slots__ = ("session_id", "server_epoch", "fragments", "lease_s", "mode", "layout", "schedule_step", "shard_index", "shard_count", "map_id", "fragment_owners")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SERVER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,10 @@ class JoinResponse(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_STEP_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAP_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_OWNERS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     server_epoch: int
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentLayout]
@@ -114,7 +118,11 @@ class JoinResponse(_message.Message):
     mode: str
     layout: str
     schedule_step: int
-    def __init__(self, session_id: _Optional[str] = ..., server_epoch: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., lease_s: _Optional[float] = ..., mode: _Optional[str] = ..., layout: _Optional[str] = ..., schedule_step: _Optional[int] = ...) -> None: ...
+    shard_index: int
+    shard_count: int
+    map_id: str
+    fragment_owners: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., server_epoch: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., lease_s: _Optional[float] = ..., mode: _Optional[str] = ..., layout: _Optional[str] = ..., schedule_step: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., map_id: _Optional[str] = ..., fragment_owners: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("session_id", "fragment_id", "base_version", "inner_steps", "tokens", "kind", "payload_bytes")
@@ -227,3 +235,73 @@ class LeaveRequest(_message.Message):
 class LeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DescribeShardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeShardsResponse(_message.Message):
+    __slots__ = ("shard_index", "shard_count", "map_id", "addresses", "fingerprint_hash", "fragments", "fragment_owners")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAP_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_HASH_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_OWNERS_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    shard_count: int
+    map_id: str
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    fingerprint_hash: str
+    fragments: int
+    fragment_owners: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., map_id: _Optional[str] = ..., addresses: _Optional[_Iterable[str]] = ..., fingerprint_hash: _Optional[str] = ..., fragments: _Optional[int] = ..., fragment_owners: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FragmentStatus(_message.Message):
+    __slots__ = ("fragment_id", "version", "owner", "params_crc32")
+    FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CRC32_FIELD_NUMBER: _ClassVar[int]
+    fragment_id: int
+    version: int
+    owner: int
+    params_crc32: int
+    def __init__(self, fragment_id: _Optional[int] = ..., version: _Optional[int] = ..., owner: _Optional[int] = ..., params_crc32: _Optional[int] = ...) -> None: ...
+
+class LearnerStatus(_message.Message):
+    __slots__ = ("learner_id", "live", "last_push_fragment", "last_push_version", "last_push_age_s")
+    LEARNER_ID_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    learner_id: str
+    live: bool
+    last_push_fragment: int
+    last_push_version: int
+    last_push_age_s: float
+    def __init__(self, learner_id: _Optional[str] = ..., live: _Optional[bool] = ..., last_push_fragment: _Optional[int] = ..., last_push_version: _Optional[int] = ..., last_push_age_s: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("shard_index", "shard_count", "map_id", "mode", "fragments", "rounds_closed", "learners")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MAP_ID_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    shard_count: int
+    map_id: str
+    mode: str
+    fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
+    rounds_closed: int
+    learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
+    def __init__(self, shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., map_id: _Optional[str] = ..., mode: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., rounds_closed: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,16 @@ class AggregatorStub:
                 request_serializer=diloco_dot_v1_dot_aggregator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_aggregator__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.DescribeShards = channel.unary_unary(
+                '/diloco.v1.Aggregator/DescribeShards',
+                request_serializer=diloco_dot_v1_dot_aggregator__pb2.DescribeShardsRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_aggregator__pb2.DescribeShardsResponse.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/diloco.v1.Aggregator/Status',
+                request_serializer=diloco_dot_v1_dot_aggregator__pb2.StatusRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_aggregator__pb2.StatusResponse.FromString,
+                _registered_method=True)
 
 
 class AggregatorServicer:
@@ -99,6 +109,20 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeShards(self, request, context):
+        """Which shard this is, of how many, and where the others are (docs/architecture.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """What this shard sees now: live learners, its fragments' versions, each learner's last push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AggregatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +150,16 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=diloco_dot_v1_dot_aggregator__pb2.LeaveRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_aggregator__pb2.LeaveResponse.SerializeToString,
+            ),
+            'DescribeShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeShards,
+                    request_deserializer=diloco_dot_v1_dot_aggregator__pb2.DescribeShardsRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_aggregator__pb2.DescribeShardsResponse.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=diloco_dot_v1_dot_aggregator__pb2.StatusRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_aggregator__pb2.StatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +297,60 @@ class Aggregator:
             '/diloco.v1.Aggregator/Leave',
             diloco_dot_v1_dot_aggregator__pb2.LeaveRequest.SerializeToString,
             diloco_dot_v1_dot_aggregator__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Aggregator/DescribeShards',
+            diloco_dot_v1_dot_aggregator__pb2.DescribeShardsRequest.SerializeToString,
+            diloco_dot_v1_dot_aggregator__pb2.DescribeShardsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Aggregator/Status',
+            diloco_dot_v1_dot_aggregator__pb2.StatusRequest.SerializeToString,
+            diloco_dot_v1_dot_aggregator__pb2.StatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
