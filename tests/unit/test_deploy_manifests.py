@@ -166,10 +166,14 @@ def compose_services(*files: str) -> dict[str, dict]:
     return services
 
 
-def scrape_targets(prometheus_file: str) -> set[str]:
+def scrape_targets(prometheus_file: str) -> dict[str, dict[str, str]]:
+    """Each static target of a Prometheus config, with the labels it is given."""
     config = yaml.safe_load((DEPLOY / "prometheus" / prometheus_file).read_text())
     return {
-        t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]
+        t: s.get("labels", {})
+        for job in config["scrape_configs"]
+        for s in job["static_configs"]
+        for t in s["targets"]
     }
 
 
@@ -187,20 +191,26 @@ def scrape_targets(prometheus_file: str) -> set[str]:
 def test_compose_agrees_with_the_code(files, prometheus_file, host_of) -> None:
     services = compose_services(*files)
     daemons = {n: s for n, s in services.items() if s.get("command", [""])[0] in CONFIGS}
+    configs = {n: config_of(s["command"][0], s["environment"]) for n, s in daemons.items()}
     assert len([n for n in daemons if n.startswith("learner")]) == 3
-    expected_targets = set()
-    server_listen = None
-    for name, spec in daemons.items():
-        config = config_of(spec["command"][0], spec["environment"])
-        host = host_of(name, config.metrics_listen)
-        expected_targets.add(f"{host}:{port_of(config.metrics_listen)}")
-        if name == "server":
-            server_listen = config.listen
-            assert config.state_dir == spec["volumes"][0].split(":")[1]
-    for name, spec in daemons.items():
-        if name != "server":
-            config = config_of(spec["command"][0], spec["environment"])
-            assert port_of(config.server) == port_of(server_listen)
+    shards = sorted(n for n in daemons if daemons[n]["command"][0] == "diloco-server")
+    assert shards == ["server-0", "server-1"]
+    expected_targets: dict[str, dict[str, str]] = {}
+    addresses = []
+    for name, config in configs.items():
+        target = f"{host_of(name, config.metrics_listen)}:{port_of(config.metrics_listen)}"
+        expected_targets[target] = {}
+        if name in shards:
+            index = shards.index(name)
+            assert (config.shard_index, config.shard_count) == (index, len(shards))
+            assert config.state_dir == daemons[name]["volumes"][0].split(":")[1]
+            expected_targets[target] = {"shard": str(index)}
+            addresses.append(f"{host_of(name, config.listen)}:{port_of(config.listen)}")
+    volumes = [daemons[n]["volumes"][0].split(":")[0] for n in shards]
+    assert len(set(volumes)) == len(shards)  # a state volume each
+    for name, config in configs.items():
+        if name not in shards:
+            assert shard_addresses(config.server) == addresses
     assert scrape_targets(prometheus_file) == expected_targets
     assert any(s["environment"].get("DILOCO_SLOWDOWN") for s in daemons.values())
 
