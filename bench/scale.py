@@ -1,0 +1,366 @@
+"""Scale benchmark: a 512 M-parameter model over 1, 2 and 4 aggregator shards on loopback.
+
+    python bench/scale.py --quick          # 512 M params, 8 learners, 1/2/4 shards (< 3 min)
+    python bench/scale.py                  # + 64 learners on a 128 M model, 1/2/4 shards
+
+Each shard is its own `diloco-server` process (quorum mode, K = the learner count, P = 4
+fragments of two 8192 x 8192 fp32 tensors each, balanced layout, fp4 pulls), so its memory
+and CPU time are read from /proc. The simulated learners are threads of this process: each
+learner has one thread per shard (as a real learner has one sync thread per shard) that
+pushes a pre-encoded fp4 pseudo-gradient of each fragment that shard owns, then long-polls
+for the round to close and pushes again. No training: the load is the wire and the shards.
+A probe thread pulls one update of each fragment (its current version from the one before,
+already available, so no waiting) once a second; that is the pull latency.
+
+Per run (one shard count, one learner count), in bench/results/scale.json:
+  rss_per_owned_model  max over shards of (peak RSS - RSS once serving, before the model
+                       arrived) / fp32 bytes of the fragments the shard owns
+  pushes_per_s         fragment pushes accepted per second, all shards together, over the
+                       measured window (after every learner joined)
+  cpu_s_per_gb         CPU seconds of all shards in that window / pushed wire GB (1e9 bytes)
+  pull_p50_s, pull_p99_s  the probe's one-update pull latency
+A run stops early (`rss_limit_hit`) if the shards together pass --rss-limit-gb, so a
+benchmark never takes the shared machine's memory from under other work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
+from common.rpc import LEARNER_ID_HEADER  # noqa: E402
+from common.wire import encode_fragment  # noqa: E402
+from deploy.launcher import SERVER, Daemon, start_daemon, stop_all  # noqa: E402
+from learner.shards import ShardedClient  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FRAGMENTS = 4
+TENSORS = 8  # two per fragment
+
+
+@dataclass
+class Model:
+    """TENSORS square fp32 matrices; the pushes' fp4 payloads and the initial values."""
+
+    side: int
+    specs: list[pb.ParamSpec] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.specs = [
+            pb.ParamSpec(name=f"w{i}", shape=[self.side, self.side], dtype="float32")
+            for i in range(TENSORS)
+        ]
+
+    @property
+    def params(self) -> int:
+        return TENSORS * self.side * self.side
+
+    def tensor_bytes(self) -> int:
+        return self.side * self.side * 4
+
+
+def proc_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process, from /proc/PID/stat (clock ticks of 1/100 s)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / 100
+
+
+def mem_available_gb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+class Fleet:
+    """The simulated learners of one run and what they measured."""
+
+    def __init__(self, addresses: list[str], model: Model, learners: int) -> None:
+        self.addresses, self.model, self.learners = addresses, model, learners
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.pushes = 0
+        self.pushed_bytes = 0
+        self.pull_latencies: list[float] = []
+        self.errors: dict[str, int] = {}
+        self.error_details: dict[str, str] = {}  # the first message of each code
+        self.sessions: list[str] = []
+        self.clients: list[ShardedClient] = []
+        self.latest = [0] * FRAGMENTS  # the newest version any learner has seen
+
+    def client(self, i: int) -> ShardedClient:
+        return ShardedClient(self.addresses, None, ((LEARNER_ID_HEADER, f"scale-{i}"),))
+
+    def join_all(self, initial: list[bytes]) -> list[list[int]]:
+        """Join every learner on every shard; learner 0 initialises each fragment. Returns
+        the owner shard's fragments, per shard."""
+        for i in range(self.learners):
+            client = self.client(i)
+            client.wait_ready(60)
+            reply = client.join(f"scale-{i}", self.model.specs)
+            self.clients.append(client)
+            self.sessions.append(reply.session_id)
+            if i == 0:
+                for f in range(FRAGMENTS):
+                    header = pb.PushHeader(
+                        session_id=reply.session_id, fragment_id=f, base_version=-1,
+                        kind=pb.PUSH_KIND_INITIAL,
+                    )  # fmt: skip
+                    client.push(header, initial[f])
+        owned: list[list[int]] = [[] for _ in self.addresses]
+        for f in range(FRAGMENTS):
+            owned[self.clients[0].shard_of(f)].append(f)
+        return owned
+
+    def count_error(self, err: grpc.RpcError) -> None:
+        with self.lock:
+            self.errors[err.code().name] = self.errors.get(err.code().name, 0) + 1
+            self.error_details.setdefault(err.code().name, str(err.details()))
+
+    def push_loop(self, i: int, fragments: list[int], payloads: list[bytes]) -> None:
+        """One learner's thread for one shard: push each fragment, wait for its round."""
+        client, session = self.clients[i], self.sessions[i]
+        versions = dict.fromkeys(fragments, 0)
+        try:
+            while not self.stop.is_set():
+                for f in fragments:
+                    header = pb.PushHeader(
+                        session_id=session, fragment_id=f, base_version=versions[f],
+                        inner_steps=50, tokens=50 * 2048, kind=pb.PUSH_KIND_DELTA,
+                    )  # fmt: skip
+                    client.push(header, payloads[f])
+                    with self.lock:
+                        self.pushes += 1
+                        self.pushed_bytes += len(payloads[f])
+                for f in fragments:
+                    while not self.stop.is_set():
+                        head, _ = client.pull(session, f, versions[f], versions[f] + 1, 5.0)
+                        if head.version > versions[f]:
+                            versions[f] = head.version
+                            with self.lock:
+                                self.latest[f] = max(self.latest[f], head.version)
+                            break
+        except grpc.RpcError as err:
+            if not self.stop.is_set():
+                self.count_error(err)
+
+    def probe_loop(self) -> None:
+        """Once a second, pull one available update of each fragment and time it (with
+        learner 0's client, which knows each fragment's shard and is thread-safe)."""
+        client, session = self.clients[0], self.sessions[0]
+        try:
+            while not self.stop.wait(1.0):
+                for f in range(FRAGMENTS):
+                    version = self.latest[f]
+                    if version < 1:
+                        continue
+                    started = time.perf_counter()
+                    client.pull(session, f, version - 1, version, 0.0)
+                    with self.lock:
+                        self.pull_latencies.append(time.perf_counter() - started)
+        except grpc.RpcError as err:
+            if not self.stop.is_set():
+                self.count_error(err)
+
+
+def start_shards(count: int, learners: int, workdir: Path) -> list[Daemon]:
+    shards = []
+    try:
+        for i in range(count):
+            shards.append(
+                start_daemon(
+                    f"shard-{i}",
+                    [
+                        *SERVER,
+                        "--insecure",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--mode",
+                        "quorum",
+                        "--min-contributors",
+                        str(learners),
+                        "--grace-max-s",
+                        "0.5",
+                        "--max-staleness",
+                        "1000000",
+                        "--lease-s",
+                        "120",
+                        "--fragments",
+                        str(FRAGMENTS),
+                        "--layout",
+                        "balanced",
+                        "--shard-index",
+                        str(i),
+                        "--shard-count",
+                        str(count),
+                        "--log-level",
+                        "WARNING",
+                    ],
+                    workdir / f"shard-{i}.log",
+                    port_file=workdir / f"shard-{i}.port",
+                )  # fmt: skip
+            )
+    except BaseException:
+        stop_all(shards)
+        raise
+    return shards
+
+
+def run(
+    shards: int, learners: int, model: Model, payloads: tuple[list[bytes], list[bytes]],
+    duration_s: float, rss_limit_mb: float, min_versions: int = 0, timeout_s: float = 600.0,
+) -> dict:  # fmt: skip
+    """One run: `shards` servers, `learners` simulated learners, `duration_s` measured (and
+    on until every fragment reached `min_versions`, within `timeout_s` more)."""
+    initial, pushes = payloads
+    workdir = Path(tempfile.mkdtemp(prefix="diloco-scale-"))
+    daemons = start_shards(shards, learners, workdir)
+    pids = [d.pid for d in daemons]
+    idle_mb = [proc_rss_mb(pid) for pid in pids]
+    peak_mb = list(idle_mb)
+    fleet = Fleet([f"127.0.0.1:{d.port}" for d in daemons], model, learners)
+    threads: list[threading.Thread] = []
+    limit_hit = False
+    try:
+        owned = fleet.join_all(initial)
+        threads = [
+            threading.Thread(target=fleet.push_loop, args=(i, owned[s], pushes), daemon=True)
+            for i in range(learners)
+            for s in range(shards)
+        ]
+        threads.append(threading.Thread(target=fleet.probe_loop, daemon=True))
+        cpu_before = [proc_cpu_s(pid) for pid in pids]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        while not limit_hit and (
+            (elapsed := time.perf_counter() - started) < duration_s
+            or (min(fleet.latest) < min_versions and elapsed < duration_s + timeout_s)
+        ):
+            rss = [proc_rss_mb(pid) for pid in pids]
+            peak_mb = [max(p, r) for p, r in zip(peak_mb, rss, strict=True)]
+            limit_hit = sum(rss) > rss_limit_mb
+            time.sleep(0.25)
+        elapsed = time.perf_counter() - started
+        cpu_s = sum(proc_cpu_s(pid) for pid in pids) - sum(cpu_before)
+        with fleet.lock:
+            pushes_done, pushed_gb = fleet.pushes, fleet.pushed_bytes / 1e9
+    finally:
+        fleet.stop.set()
+        for thread in threads:
+            thread.join(timeout=30)
+        for client in fleet.clients:
+            client.close()
+        stop_all(daemons)
+    tensor_mb = model.tensor_bytes() / 2**20
+    owned_mb = [tensor_mb * TENSORS / FRAGMENTS * len(fs) for fs in owned]
+    ratios = [(p - i) / o for p, i, o in zip(peak_mb, idle_mb, owned_mb, strict=True)]
+    latencies = sorted(fleet.pull_latencies)
+    return {
+        "shards": shards,
+        "learners": learners,
+        "model_params": model.params,
+        "model_mb": tensor_mb * TENSORS,
+        "rss_per_owned_model": max(ratios),
+        "pushes_per_s": pushes_done / elapsed,
+        "cpu_s_per_gb": cpu_s / pushed_gb if pushed_gb else None,
+        "pull_p50_s": statistics.median(latencies) if latencies else None,
+        "pull_p99_s": latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
+        "per_shard": [
+            {
+                "owned_fragments": fs,
+                "owned_mb": o,
+                "idle_rss_mb": i,
+                "peak_rss_mb": p,
+                "rss_per_owned_model": r,
+            }
+            for fs, o, i, p, r in zip(owned, owned_mb, idle_mb, peak_mb, ratios, strict=True)
+        ],  # fmt: skip
+        "pushes": pushes_done,
+        "pushed_gb": pushed_gb,
+        "cpu_s": cpu_s,
+        "duration_s": elapsed,
+        "pulls_timed": len(latencies),
+        "errors": fleet.errors,
+        "error_details": fleet.error_details,
+        "rss_limit_hit": limit_hit,
+    }
+
+
+def payloads_of(model: Model) -> tuple[list[bytes], list[bytes]]:
+    """Per fragment: the initial fp32 values (zeros) and a pushed fp4 pseudo-gradient."""
+    torch.manual_seed(0)
+    shape = (model.side, model.side)
+    initial, pushes = [], []
+    for _ in range(FRAGMENTS):
+        initial.append(encode_fragment([torch.zeros(shape), torch.zeros(shape)], "fp32"))
+        delta = [torch.randn(shape) * 1e-3, torch.randn(shape) * 1e-3]
+        pushes.append(encode_fragment(delta, "fp4_e2m1"))
+    return initial, pushes
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 learners only, 25 s a run")
+    parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--duration-s", type=float, default=60.0, help="measured, per run")
+    parser.add_argument("--side", type=int, default=8192, help="8 x side^2 params (8192: 512 M)")
+    parser.add_argument("--many-learners", type=int, default=64)
+    parser.add_argument("--many-side", type=int, default=4096, help="(4096: 128 M params)")
+    parser.add_argument("--rss-limit-gb", type=float, default=0.0, help="0: 0.8 x MemAvailable")
+    parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    args = parser.parse_args()
+    if any(n not in range(1, FRAGMENTS + 1) for n in args.shards):
+        parser.error(f"--shards must each be in 1..{FRAGMENTS}, got {args.shards}")
+    duration_s = 25.0 if args.quick else args.duration_s
+    rss_limit_mb = 1024 * (args.rss_limit_gb or 0.8 * mem_available_gb())
+    plans = [(8, args.side)]
+    if not args.quick:
+        plans.append((args.many_learners, args.many_side))
+    started = time.perf_counter()
+    runs = []
+    for learners, side in plans:
+        model = Model(side)
+        payloads = payloads_of(model)
+        for n in args.shards:
+            r = run(n, learners, model, payloads, duration_s, rss_limit_mb)
+            runs.append(r)
+            print(
+                f"{n} shard(s), {learners} learners, {model.params / 1e6:.0f} M params: "
+                f"RSS/owned {r['rss_per_owned_model']:.2f}, {r['pushes_per_s']:.2f} pushes/s, "
+                f"{r['cpu_s_per_gb'] or float('nan'):.2f} CPU s/GB, pull p50 "
+                f"{r['pull_p50_s'] or float('nan'):.2f} s, errors {r['error_details']}"
+                f"{', RSS LIMIT HIT' if r['rss_limit_hit'] else ''}",
+                flush=True,
+            )
+        del payloads
+    report = {"runs": runs, "wall_s": time.perf_counter() - started, "quick": args.quick}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out} in {report['wall_s']:.0f} s")
+    bad = [r for r in runs if r["errors"] or r["rss_limit_hit"] or not r["pushes"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
