@@ -130,10 +130,11 @@ def values_by_instance(expr: str) -> dict[str, float]:
     return {r["metric"].get("instance", ""): float(r["value"][1]) for r in results}
 
 
-def owned_versions(shard: int) -> dict[str, float]:
-    """The versions of the fragments a shard owns ({} while it is down): a shard reports the
-    fragments it does not own as -1."""
-    expr = f'diloco_server_fragment_version{{shard="{shard}"}} >= 0'
+def owned_versions(shard: int, over_time: str = "") -> dict[str, float]:
+    """The versions of the fragments a shard owns ({} while it is down; a shard reports the
+    fragments it does not own as -1). `over_time`: e.g. max_over_time, over the last 10 min."""
+    expr = f'diloco_server_fragment_version{{shard="{shard}"}}'
+    expr = f"{over_time}({expr}[10m]) >= 0" if over_time else f"{expr} >= 0"
     return {r["metric"]["fragment"]: float(r["value"][1]) for r in instant_query(PROMETHEUS, expr)}
 
 
@@ -196,8 +197,8 @@ def main() -> int:
         )
         log("kill -9 shard 1 (server-1)")
         sh(*compose, "kill", "-s", "SIGKILL", "server-1", env=env)
-        killed_at = owned_versions(1)
         wait_for("Prometheus sees shard 1 down", lambda: not shard_up(1), deadline)
+        killed_at = owned_versions(1, "max_over_time")  # the newest it was seen to serve
         before = owned_versions(0)
         log(f"at the kill: shard 0 {before}, shard 1 {killed_at}")
         wait_for(
