@@ -7,7 +7,8 @@
     simulate_shards(scenario, method, tier).utilisation
     shards_needed(scenario, method, tier, target=0.95)      # least N, math.inf if none
 
-Each fragment is owned by one shard; every one of the K learners (`scenario.replicas`)
+Each fragment is owned by one shard, by the servers' own rule (`server.sharding`: balanced
+by fp32 bytes); every one of the K learners (`scenario.replicas`)
 pushes the fragment's outer gradient to that shard and pulls the new value back from it.
 Per shard, three FIFO servers in a row (each an `engine.Link`):
 
@@ -39,6 +40,7 @@ from pathlib import Path
 from bench.sim.engine import Link
 from bench.sim.model import ModelSpec
 from bench.sim.throughput import Method, Scenario, _gradient_ready_s, _plan
+from server.sharding import fragment_owners
 
 INGEST_RESULTS = Path(__file__).resolve().parent.parent / "results" / "ingest.json"
 
@@ -78,20 +80,6 @@ class ShardTier:
         return 8 * self.cores * 1e9 / self.cpu_s_per_gb
 
 
-def owners(fragment_bytes: list[int], shards: int) -> list[int]:
-    """The shard of each fragment, balanced by bytes: largest fragment first, each to the
-    shard with the fewest bytes so far (ties: the lower index)."""
-    if shards > len(fragment_bytes):
-        raise ValueError(f"{shards} shards for {len(fragment_bytes)} fragments: some own none")
-    load = [0] * shards
-    owner = [0] * len(fragment_bytes)
-    for p in sorted(range(len(fragment_bytes)), key=lambda p: (-fragment_bytes[p], p)):
-        s = min(range(shards), key=lambda s: (load[s], s))
-        owner[p] = s
-        load[s] += fragment_bytes[p]
-    return owner
-
-
 @dataclass(frozen=True)
 class ShardResult:
     utilisation: float
@@ -110,7 +98,9 @@ def simulate_shards(
     """Run `periods` sync periods and measure all but the first (idle links flatter it)."""
     spec, schedule = scenario.spec, method.schedule()
     plan = _plan(spec, method.fragments, method.codec, method.layout)
-    owner = owners(plan.fragment_bytes, tier.shards)
+    if tier.shards > method.fragments:
+        raise ValueError(f"{tier.shards} shards for {method.fragments} fragments: some own none")
+    owner = fragment_owners([4 * n for n in plan.fragment_values], tier.shards)
     k, layers, step_s = scenario.replicas, spec.layers, scenario.step_time_s
     forward_s = step_s * scenario.forward_fraction / layers
     backward_s = step_s * (1 - scenario.forward_fraction) / layers

@@ -11,14 +11,9 @@ from bench.sim.engine import EventQueue, Link, VirtualClock
 from bench.sim.goodput import FailureScenario, QuorumSetup, elastic_dp_goodput, quorum_goodput
 from bench.sim.model import FragmentPlan, ModelSpec, allreduce_factor, bits_per_value
 from bench.sim.reproduce import ordering_problems, table4_methods
-from bench.sim.shards import (
-    ShardTier,
-    measured_cpu_s_per_gb,
-    owners,
-    shards_needed,
-    simulate_shards,
-)
+from bench.sim.shards import ShardTier, measured_cpu_s_per_gb, shards_needed, simulate_shards
 from bench.sim.throughput import Method, Scenario, required_bandwidth, simulate
+from server.sharding import fragment_owners
 
 # -- virtual clock and event queue -------------------------------------------------------
 
@@ -225,11 +220,15 @@ def small_shard_case(cpu_fragment_s: float, learners: int = 2):
     return scenario, method, replace(tier, cpu_s_per_gb=cpu_fragment_s / fragment_gb)
 
 
-def test_owners_balance_bytes_largest_first() -> None:
-    assert owners([5, 4, 3, 3, 1], 2) == [0, 1, 1, 0, 1]  # loads 8 and 8
-    assert owners([7, 7, 7], 3) == [0, 1, 2]
+def test_shards_own_fragments_by_the_servers_rule() -> None:
+    scenario, method, tier = small_shard_case(cpu_fragment_s=0.001)
+    plan = FragmentPlan.build(scenario.spec, 6, "bf16")
+    assert plan.fragment_values == tuple(b // 2 for b in plan.fragment_bytes)  # bf16: 2 B/value
+    busy = simulate_shards(scenario, method, replace(tier, shards=2)).shard_busy
+    owners = fragment_owners([4 * n for n in plan.fragment_values], 2)
+    assert sorted(owners) == [0, 0, 0, 1, 1, 1] and len(busy) == 2
     with pytest.raises(ValueError, match="own none"):
-        owners([1, 1], 3)
+        simulate_shards(scenario, method, replace(tier, shards=7))
 
 
 def test_a_shard_that_queues_fragments_stalls_and_more_shards_relieve_it() -> None:
