@@ -2,16 +2,19 @@
 
     diloco-chaos --learners 3 --duration-s 600 --fault-every-s 15 --report chaos.json
     diloco-chaos --quick --report chaos.json       # about 2 minutes
+    diloco-chaos --shards 2 --quick                # the aggregator as 2 shards
 
 Starts a server (quorum mode, with a state dir) and K learners as real processes on
 loopback; each learner reaches the server through its own FaultProxy (deploy/cluster.py). On
 a seeded schedule it injects: learner kill -9 + restart, learner SIGSTOP/SIGCONT stalls,
-server kill -9 + restart (same port, same state dir), and network cuts between one learner
-and the server. Then it runs the same setup without faults for the same time, and checks:
+server kill -9 + restart (same port, same state dir; with --shards N every shard at once), and
+network cuts between one learner and the server; with N > 1 shards also shard kill -9 +
+restart (one shard, while the others go on). Then it runs the same setup without faults for
+the same time, and checks:
 
 - no learner ever saw a fragment version go backwards (its replica versions, scraped);
 - every process that should be alive at the end is;
-- training went on after every fault (the server's versions moved on after it);
+- training went on after every fault (some shard's versions moved on after it);
 - final eval loss next to the fault-free run's; goodput = tokens that reached a closed round
   / tokens the learners had capacity for (the fault-free run's merged tokens).
 
@@ -34,11 +37,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from deploy.cluster import Cluster
-from deploy.watch import Watch, merged_tokens, recent_eval_loss, round_times, time_reaching
+from deploy.watch import (
+    Watch,
+    merged_tokens,
+    recent_eval_loss,
+    round_times,
+    summed,
+    time_reaching,
+)
 
 KINDS = ("learner_kill", "learner_stall", "server_kill", "net_cut")
+SHARD_KINDS = ("shard_kill", *KINDS)  # with more than one shard
 QUIET_TAIL_S = 10.0
-FRAGMENTS = 2
+FRAGMENTS = 2  # or one per shard, if there are more shards
 
 
 @dataclass
@@ -68,7 +79,10 @@ class Report:
 def inject(cluster: Cluster, kind: str, rng: random.Random, length_s: float) -> list[Event]:
     """One fault, start to end (blocking for its length); returns its two events."""
     i = rng.randrange(cluster.k)
-    target = "server" if kind == "server_kill" else f"learner-{i}"
+    shard = rng.randrange(cluster.shards)
+    target = {"server_kill": "server", "shard_kill": cluster.shard_name(shard)}.get(
+        kind, f"learner-{i}"
+    )
     events = [Event(cluster.now(), kind, target, "start")]
     if kind == "learner_kill":
         cluster.learners[i].kill()
@@ -78,15 +92,19 @@ def inject(cluster: Cluster, kind: str, rng: random.Random, length_s: float) -> 
         cluster.learners[i].signal(signal.SIGSTOP)
         time.sleep(length_s)
         cluster.learners[i].signal(signal.SIGCONT)
-    elif kind == "server_kill":
-        assert cluster.server is not None
-        cluster.server.kill()
+    elif kind in ("server_kill", "shard_kill"):
+        killed = range(cluster.shards) if kind == "server_kill" else [shard]
+        for s in killed:
+            cluster.servers[s].kill()
         time.sleep(length_s)
-        cluster.start_server()
+        for s in killed:
+            cluster.start_server(s)
     else:
-        cluster.proxies[i].cut()
+        for proxy in cluster.proxies[i]:
+            proxy.cut()
         time.sleep(length_s)
-        cluster.proxies[i].restore()
+        for proxy in cluster.proxies[i]:
+            proxy.restore()
     events.append(Event(cluster.now(), kind, target, "end"))
     return events
 
@@ -98,12 +116,29 @@ class Run:
     events: list[Event]
     dead: list[str]
     watch: Watch
+    fragments: int
+
+    def merged_tokens(self) -> list[tuple[float, float]]:
+        """(time, tokens in closed rounds so far, summed over fragments and shards)."""
+        return summed([merged_tokens(points) for points in self.watch.servers.values()])
+
+    def round_times(self) -> list[float]:
+        """When some shard's fragment moved on."""
+        return sorted(t for points in self.watch.servers.values() for t in round_times(points))
 
 
 def run(
-    workdir: Path, learners: int, duration_s: float, fault_every_s: float, seed: int, faults: bool
+    workdir: Path,
+    learners: int,
+    duration_s: float,
+    fault_every_s: float,
+    seed: int,
+    faults: bool,
+    shards: int = 1,
 ) -> Run:
-    cluster = Cluster(workdir, learners, fragments=FRAGMENTS)
+    fragments = max(FRAGMENTS, shards)
+    kinds = SHARD_KINDS if shards > 1 else KINDS
+    cluster = Cluster(workdir, learners, fragments=fragments, shards=shards)
     cluster.start()
     watch = Watch(cluster.daemons, cluster.now)
     watch.start()
@@ -116,7 +151,7 @@ def run(
             # (long enough to re-sync after a server restart: lease, heartbeat, rejoin backoff).
             quiet_tail = cluster.now() > duration_s - max(fault_every_s, QUIET_TAIL_S)
             if faults and not quiet_tail and cluster.now() >= next_fault:
-                kind = KINDS[len(events) // 2 % len(KINDS)]  # every kind in turn
+                kind = kinds[len(events) // 2 % len(kinds)]  # every kind in turn
                 events += inject(cluster, kind, rng, length_s=rng.uniform(1.0, 4.0))
                 next_fault = cluster.now() + fault_every_s * rng.uniform(0.5, 1.5)
             time.sleep(0.2)
@@ -125,7 +160,7 @@ def run(
         cluster.stop_learners()
         watch.stop()  # after the learners' last merges, before the server goes
         cluster.stop()
-    return Run(events, dead, watch)
+    return Run(events, dead, watch, fragments)
 
 
 def version_regressions(versions: Iterable[Sequence[int]]) -> int:
@@ -158,19 +193,19 @@ def evaluate(duration_s: float, faulty: Run, fault_free: Run) -> Report:
         for points in faulty.watch.learners.values()
     )
     report.dead_processes = faulty.dead
-    rounds = round_times(faulty.watch.server)
+    rounds = faulty.round_times()
     report.faults_without_progress = sum(
         1 for e in events if e.phase == "end" and not any(t > e.t_s for t in rounds)
     )
     # Each token is counted once per fragment it reached.
-    tokens, free_tokens = merged_tokens(faulty.watch.server), merged_tokens(fault_free.watch.server)
-    report.useful_tokens = int(tokens[-1][1]) // FRAGMENTS if tokens else 0
+    tokens, free_tokens = faulty.merged_tokens(), fault_free.merged_tokens()
+    report.useful_tokens = int(tokens[-1][1]) // faulty.fragments if tokens else 0
     # What the same learners do without faults.
-    report.capacity_tokens = int(free_tokens[-1][1]) // FRAGMENTS if free_tokens else 0
+    report.capacity_tokens = int(free_tokens[-1][1]) // faulty.fragments if free_tokens else 0
     report.goodput = report.useful_tokens / max(1, report.capacity_tokens)
     report.final_eval_loss = mean_recent_eval_loss(faulty.watch)
     # The fault-free run at the point where it had trained the same (useful) tokens.
-    same_tokens_at = time_reaching(free_tokens, report.useful_tokens * FRAGMENTS)
+    same_tokens_at = time_reaching(free_tokens, report.useful_tokens * faulty.fragments)
     report.fault_free_eval_loss = mean_recent_eval_loss(fault_free.watch, before=same_tokens_at)
     report.invariants_ok = (
         report.version_regressions == 0
@@ -186,18 +221,19 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=600.0)
     parser.add_argument("--fault-every-s", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shards", type=int, default=1, help="the aggregator as N shards")
     parser.add_argument("--quick", action="store_true", help="60 s with a fault every 6 s")
     parser.add_argument("--report", type=Path, default=None, help="write the report as JSON")
     args = parser.parse_args()
     if args.quick:
         args.duration_s, args.fault_every_s = 60.0, 6.0
-    if args.learners < 1 or args.duration_s <= 0 or args.fault_every_s <= 0:
-        parser.error("--learners, --duration-s and --fault-every-s must be positive")
+    if min(args.learners, args.shards) < 1 or args.duration_s <= 0 or args.fault_every_s <= 0:
+        parser.error("--learners, --shards, --duration-s and --fault-every-s must be positive")
     root = Path(tempfile.mkdtemp(prefix="diloco-chaos-"))
     print(f"workdir {root}", flush=True)
     setup = (args.learners, args.duration_s, args.fault_every_s, args.seed)
-    faulty = run(root / "faults", *setup, faults=True)
-    fault_free = run(root / "fault-free", *setup, faults=False)
+    faulty = run(root / "faults", *setup, faults=True, shards=args.shards)
+    fault_free = run(root / "fault-free", *setup, faults=False, shards=args.shards)
     report = evaluate(args.duration_s, faulty, fault_free)
     print(json.dumps({k: v for k, v in asdict(report).items() if k != "timeline"}, indent=1))
     if args.report:

@@ -1,15 +1,18 @@
-"""A server and K learners as real processes on loopback, each learner behind a FaultProxy.
+"""A server (or N shards of it) and K learners as real processes on loopback, each learner
+behind a FaultProxy per shard.
 
-    cluster = Cluster(workdir, learners=3, fragments=2)
-    cluster.start()                    # the server, then the proxies and learners
+    cluster = Cluster(workdir, learners=3, fragments=2, shards=2)
+    cluster.start()                    # the shards, then the proxies and learners
     cluster.learners[1].kill(); cluster.start_learner(1)    # kill -9 and restart
-    cluster.proxies[0].cut(); cluster.proxies[0].restore()  # a network cut
+    cluster.servers[1].kill(); cluster.start_server(1)      # kill -9 of shard 1 and restart
+    for proxy in cluster.proxies[0]: proxy.cut()            # a network cut of learner 0
     cluster.stop()
 
 Every daemon serves Prometheus metrics on a free port (deploy/launcher.py reports it) and
 each learner writes its summary to workdir/learner-I.json when it ends: the harnesses
-(deploy/chaos.py, bench/decoupled.py) read those, never the logs. The server restarts on the
-same gRPC port with the same state dir, so the proxies and learners find it again.
+(deploy/chaos.py, bench/decoupled.py) read those, never the logs. A server restarts on the
+same gRPC port with the same state dir, so the proxies and learners find it again. Shard 0
+is named "server", shard s > 0 "server-s" (its log, port file and state dir too).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ MODEL_FLAGS = [
 
 
 class Cluster:
-    """A server and K learners, each learner behind its own FaultProxy."""
+    """N shards and K learners, each learner behind its own FaultProxy to each shard."""
 
     def __init__(
         self,
@@ -51,40 +54,54 @@ class Cluster:
         fragments: int,
         mode: str = "quorum",
         learner_flags: dict[int, list[str]] | None = None,
+        shards: int = 1,
     ) -> None:
         """`learner_flags`: extra flags for some learners (e.g. a --slowdown)."""
         self.workdir, self.k, self.fragments = workdir, learners, fragments
-        self.mode = mode
+        self.mode, self.shards = mode, shards
         self.learner_flags = learner_flags or {}
         workdir.mkdir(parents=True, exist_ok=True)
-        self.port = 0
-        self.server: Daemon | None = None
+        self.ports = [0] * shards
+        self.servers: dict[int, Daemon] = {}
         self.learners: dict[int, Daemon] = {}
-        self.proxies: dict[int, FaultProxy] = {}
+        self.proxies: dict[int, list[FaultProxy]] = {}  # learner -> one per shard
         self.started = time.monotonic()
+
+    @property
+    def server(self) -> Daemon | None:
+        """Shard 0 (the server, when there is one shard)."""
+        return self.servers.get(0)
+
+    @staticmethod
+    def shard_name(shard: int) -> str:
+        return "server" if shard == 0 else f"server-{shard}"
 
     def now(self) -> float:
         """Seconds since the cluster was made: the clock of its events and measurements."""
         return time.monotonic() - self.started
 
     def start(self) -> None:
-        self.start_server()
+        for shard in range(self.shards):
+            self.start_server(shard)
         for i in range(self.k):
-            self.proxies[i] = FaultProxy(("127.0.0.1", self.port))
-            self.proxies[i].start()
+            self.proxies[i] = [FaultProxy(("127.0.0.1", port)) for port in self.ports]
+            for proxy in self.proxies[i]:
+                proxy.start()
             self.start_learner(i)
 
-    def start_server(self) -> None:
-        """Start the server (again: same port, same state dir); returns once it serves."""
-        self.server = start_daemon(
-            "server",
+    def start_server(self, shard: int = 0) -> None:
+        """Start a shard (again: same port, same state dir); returns once it serves."""
+        name = self.shard_name(shard)
+        sharding = ["--shard-index", shard, "--shard-count", self.shards] if self.shards > 1 else []
+        self.servers[shard] = start_daemon(
+            name,
             [
                 *SERVER,
                 "--insecure",  # loopback only
                 "--listen",
-                f"127.0.0.1:{self.port}",
+                f"127.0.0.1:{self.ports[shard]}",
                 "--state-dir",
-                self.workdir / "state",
+                self.workdir / name.replace("server", "state"),
                 "--mode",
                 self.mode,
                 "--fragments",
@@ -93,13 +110,14 @@ class Cluster:
                 "3",
                 "--grace-max-s",
                 "1",
+                *sharding,
             ],
-            self.workdir / "server.log",
-            port_file=self.workdir / "server.port",
+            self.workdir / f"{name}.log",
+            port_file=self.workdir / f"{name}.port",
             metrics=True,
             append=True,
         )
-        self.port = self.server.port
+        self.ports[shard] = self.servers[shard].port
 
     def start_learner(self, i: int) -> None:
         """Start learner i (again); does not wait for it to join."""
@@ -109,7 +127,7 @@ class Cluster:
                 *LEARNER,
                 "--insecure",
                 "--server",
-                f"127.0.0.1:{self.proxies[i].port}",
+                ",".join(f"127.0.0.1:{proxy.port}" for proxy in self.proxies[i]),
                 "--learner-id",
                 f"learner-{i}",
                 "--learners-per-host",
@@ -127,9 +145,9 @@ class Cluster:
         )
 
     def daemons(self) -> dict[str, Daemon]:
-        """The processes running now, by name ("server", "learner-I")."""
-        named = {f"learner-{i}": daemon for i, daemon in self.learners.items()}
-        return {"server": self.server, **named} if self.server else named
+        """The processes running now, by name ("server", "server-S", "learner-I")."""
+        named = {self.shard_name(s): daemon for s, daemon in self.servers.items()}
+        return named | {f"learner-{i}": daemon for i, daemon in self.learners.items()}
 
     def dead(self) -> list[str]:
         """Names of the processes that should run but do not."""
@@ -142,7 +160,8 @@ class Cluster:
     def stop(self) -> None:
         """Learners first (they leave the run), then the server, then the proxies."""
         self.stop_learners()
-        if self.server is not None:
-            self.server.stop()
-        for proxy in self.proxies.values():
-            proxy.close()
+        for server in self.servers.values():
+            server.stop()
+        for proxies in self.proxies.values():
+            for proxy in proxies:
+                proxy.close()

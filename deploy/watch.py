@@ -8,6 +8,7 @@ summary files; log text is for people.
     watch.stop()                       # one last scrape, before the cluster stops
     eval_points(watch.learners["learner-0"])     # [(seconds, eval loss), ...]
     merged_tokens(watch.server)[-1]              # (seconds, tokens summed over fragments)
+    summed([merged_tokens(p) for p in watch.servers.values()])   # over every shard
 
 One thread per daemon scrapes it every `interval_s` (a stopped or restarting daemon does not
 hold up the others) and keeps a point whenever a figure changed, stamped with the first
@@ -57,8 +58,8 @@ SERVER_COUNTERS = {
 
 
 class Watch:
-    """Scrapes a cluster's daemons while a run goes on; `server` and `learners` hold what
-    they reported (read them after stop())."""
+    """Scrapes a cluster's daemons while a run goes on; `servers` (by shard name) and
+    `learners` hold what they reported (read them after stop())."""
 
     def __init__(
         self,
@@ -66,10 +67,10 @@ class Watch:
         clock: Callable[[], float],
         interval_s: float = SCRAPE_INTERVAL_S,
     ) -> None:
-        """`daemons`: the processes by name ("server", "learner-I") as they are now (a
-        restart replaces one); `clock`: the run's clock, which stamps every point."""
+        """`daemons`: the processes by name ("server", "server-S", "learner-I") as they are
+        now (a restart replaces one); `clock`: the run's clock, which stamps every point."""
         self.daemons, self.clock, self.interval_s = daemons, clock, interval_s
-        self.server: list[ServerPoint] = []
+        self.servers: dict[str, list[ServerPoint]] = {}
         self.learners: dict[str, list[LearnerPoint]] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -77,11 +78,15 @@ class Watch:
     def start(self) -> None:
         """One scraping thread per daemon running now."""
         for name in self.daemons():
-            if name != "server":
-                self.learners[name] = []
+            (self.servers if is_server(name) else self.learners)[name] = []
             thread = threading.Thread(target=self._follow, args=(name,), daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    @property
+    def server(self) -> list[ServerPoint]:
+        """The points of the server (of shard 0, when there are shards)."""
+        return self.servers.get("server", [])
 
     def stop(self) -> None:
         """Stop scraping, after one last scrape of every daemon."""
@@ -105,14 +110,19 @@ class Watch:
         t = self.clock()
         point: LearnerPoint | ServerPoint
         # The expected daemon, not another that has since been given its old port.
-        if name == "server" and samples.has("diloco_server_live_learners"):
-            point, series = _server_point(t, daemon.pid, samples), self.server
+        if is_server(name) and samples.has("diloco_server_live_learners"):
+            point, series = _server_point(t, daemon.pid, samples), self.servers[name]
         elif samples.has("diloco_learner_info", learner_id=name):
             point, series = _learner_point(t, daemon.pid, samples), self.learners[name]
         else:
             return
         if not series or _figures(series[-1]) != _figures(point):
             series.append(point)
+
+
+def is_server(name: str) -> bool:
+    """A server's (or shard's) name in a cluster (deploy/cluster.py)."""
+    return name == "server" or name.startswith("server-")
 
 
 def _versions(samples: Samples, name: str) -> tuple[int, ...]:
@@ -190,6 +200,17 @@ def counter_total(points: list[ServerPoint], key: str) -> float:
 def merged_tokens(points: list[ServerPoint]) -> list[tuple[float, float]]:
     """(time, tokens in closed rounds so far, summed over fragments)."""
     return counter_over_time(points, "merged_tokens")
+
+
+def summed(series: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Running totals of several daemons (e.g. each shard's merged tokens) as one: (time,
+    the sum of each one's latest value) whenever one of them moved."""
+    latest = [0.0] * len(series)
+    over_time = []
+    for t, k, value in sorted((t, k, v) for k, points in enumerate(series) for t, v in points):
+        latest[k] = value
+        over_time.append((t, sum(latest)))
+    return over_time
 
 
 def round_times(points: list[ServerPoint]) -> list[float]:

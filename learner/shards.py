@@ -36,7 +36,7 @@ log = logging.getLogger("diloco.learner")
 SEP = ","  # between the shards' session ids (server session ids are hex)
 
 
-class ShardMapError(RuntimeError):
+class ShardMapError(ValueError):
     """The shards disagree with each other or with the learner's list of them."""
 
 
@@ -85,9 +85,31 @@ class ShardedClient:
         for client in self._clients:
             client.wait_ready(max(0.0, deadline - time.monotonic()))
 
+    def discover(self) -> None:
+        """Given one address: take the run's shard addresses from it, once (join does)."""
+        if self._discovered:
+            return
+        described = self._clients[0].describe_shards()
+        if described.shard_count > 1:
+            if len(described.addresses) != described.shard_count:
+                raise ShardMapError(
+                    f"the server at {self.addresses[0]} is shard {described.shard_index} of "
+                    f"{described.shard_count} and does not advertise the shards' addresses "
+                    f"(--shard-addresses): list every shard in --server, in index order"
+                )
+            self.close()
+            self.addresses = list(described.addresses)
+            self._clients = [self._client(a) for a in self.addresses]
+            log.info("discovered %d shards: %s", len(self.addresses), self.target)
+        self._discovered = True
+
+    def shards(self) -> list[AggregatorClient]:
+        """One client per shard, in index order (after discover(), every shard's)."""
+        return list(self._clients)
+
     def join(self, learner_id: str, fingerprint: Sequence[pb.ParamSpec]) -> pb.JoinResponse:
         """Join every shard; one reply whose session and epoch stand for all of them."""
-        self._discover()
+        self.discover()
         if len(self._clients) == 1:
             reply = self._clients[0].join(learner_id, fingerprint)
             self._remember(reply, [0] * len(reply.fragments), [reply.server_epoch])
@@ -175,24 +197,6 @@ class ShardedClient:
         client = AggregatorClient(address, self._credentials, self._metadata)
         client.traffic = self.traffic  # one count for the learner, whatever the shard
         return client
-
-    def _discover(self) -> None:
-        """Given one address: take the run's shard addresses from it, once."""
-        if self._discovered:
-            return
-        described = self._clients[0].describe_shards()
-        if described.shard_count > 1:
-            if len(described.addresses) != described.shard_count:
-                raise ShardMapError(
-                    f"the server at {self.addresses[0]} is shard {described.shard_index} of "
-                    f"{described.shard_count} and does not advertise the shards' addresses "
-                    f"(--shard-addresses): list every shard in --server, in index order"
-                )
-            self.close()
-            self.addresses = list(described.addresses)
-            self._clients = [self._client(a) for a in self.addresses]
-            log.info("discovered %d shards: %s", len(self.addresses), self.target)
-        self._discovered = True
 
     def _join_shard(
         self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec]

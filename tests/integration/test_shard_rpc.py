@@ -1,0 +1,141 @@
+"""Shards in process on port 0: discovery from one address, each fragment at its owner only,
+heartbeats through a shard outage, mismatched shards refused naming the shard, and
+diloco-status over every shard."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import encode_fragment
+from deploy import status
+from learner.client import AggregatorClient
+from learner.shards import SEP, ShardedClient, ShardMapError
+from tests.support.processes import learner_process
+
+SHAPES = [(4, 8), (8, 8), (2, 8)]
+FINGERPRINT = [
+    pb.ParamSpec(name=f"blocks.{i}.w", shape=s, dtype="float32") for i, s in enumerate(SHAPES)
+]
+
+
+def start_shards(start_service, count: int = 2, **config) -> list:
+    """`count` shards of a 3-fragment run that advertise each other's addresses."""
+    shards = [
+        start_service(fragments=3, shard_index=i, shard_count=count, lease_s=30.0, **config)
+        for i in range(count)
+    ]
+    addresses = ",".join(f"127.0.0.1:{s.port}" for s in shards)
+    for shard in shards:  # known only once every shard has bound its port
+        shard.config.sharding.shard_addresses = addresses
+    return shards
+
+
+def address(service) -> str:
+    return f"127.0.0.1:{service.port}"
+
+
+def initialize_all(client: ShardedClient, session: str) -> None:
+    """Offer every fragment's initial parameters, through the client's routing."""
+    for fid, shape in enumerate(SHAPES):
+        header = pb.PushHeader(session_id=session, fragment_id=fid, kind=pb.PUSH_KIND_INITIAL)
+        header.base_version = -1
+        client.push(header, encode_fragment([torch.ones(shape)], "fp32"))
+
+
+def test_one_address_discovers_the_shards_and_routes_each_fragment(start_service) -> None:
+    shards = start_shards(start_service)
+    client = ShardedClient([address(shards[1])])  # any shard's address will do
+    client.wait_ready(10)
+    reply = client.join("l0", FINGERPRINT)
+    assert client.addresses == [address(s) for s in shards]
+    assert (reply.shard_count, len(reply.session_id.split(SEP))) == (2, 2)
+    # Sizes 32, 64, 16 values: fragment 1 -> shard 0, fragment 0 -> shard 1, 2 -> shard 1.
+    assert list(reply.fragment_owners) == [1, 0, 1]
+    initialize_all(client, reply.session_id)
+    assert [fid for fid, _, _ in shards[0].aggregator.owned()[1]] == [1]
+    assert [fid for fid, _, _ in shards[1].aggregator.owned()[1]] == [0, 2]
+    header, _ = client.pull(reply.session_id, 2, -1)
+    assert header.version == 0
+
+    # A shard asked for a fragment it does not own refuses, naming the owner.
+    direct = AggregatorClient(address(shards[0]))
+    own_session = reply.session_id.split(SEP)[0]
+    with pytest.raises(grpc.RpcError) as refused:
+        direct.pull(own_session, 0, -1)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "fragment 0 is owned by shard 1 of 2" in refused.value.details()
+    direct.close()
+
+    # A shard down: the heartbeat still renews the live one and keeps the last versions.
+    beat = pb.HeartbeatRequest(session_id=reply.session_id)
+    assert list(client.heartbeat(beat).fragment_versions) == [0, 0, 0]
+    shards[1].stop(grace_s=0)
+    beat = client.heartbeat(beat)
+    assert list(beat.fragment_versions) == [0, 0, 0] and beat.live_learners == 1
+    assert beat.server_epoch == reply.server_epoch  # no shard came back with a new epoch
+    client.close()
+
+
+def test_diloco_status_prints_every_shard(start_service, capsys) -> None:
+    shards = start_shards(start_service)
+    client = ShardedClient([address(s) for s in shards])
+    reply = client.join("l0", FINGERPRINT)
+    initialize_all(client, reply.session_id)
+    delta = pb.PushHeader(session_id=reply.session_id, fragment_id=1, kind=pb.PUSH_KIND_DELTA)
+    client.push(delta, encode_fragment([torch.full((8, 8), 0.01)], "fp4_e2m1"))
+    client.close()
+
+    argv = ["--server", address(shards[0]), "--insecure", "--learner-id", "ops"]
+    assert status.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"shard 0 of 2 at {address(shards[0])}: map ")
+    assert out[0].endswith("mode sync rounds closed 1")
+    assert out[1].startswith("  fragment 1: version 1 crc 0x")
+    assert out[2].startswith("  learner l0: live, last push fragment 1 for version 1, ")
+    assert out[3].startswith(f"shard 1 of 2 at {address(shards[1])}: ")
+    assert out[3].endswith("rounds closed 0")
+    assert out[4].startswith("  fragment 0: version 0") and out[5].startswith("  fragment 2:")
+    assert out[6] == "  learner l0: live, no push since the shard started"
+
+    shards[1].stop(grace_s=0)
+    assert status.main([*argv, "--json"]) == 1  # a shard it cannot reach
+    lines = capsys.readouterr().out.splitlines()
+    assert '"shard_count": 2' in lines[0] and '"error": "UNAVAILABLE"' in lines[1]
+
+
+def test_shards_that_disagree_fail_the_join_naming_the_shard(start_service) -> None:
+    shards = start_shards(start_service)
+    cases = [
+        ([shards[1], shards[0]], "shard 0 at {0} is shard 1: list the shards in index order"),
+        ([shards[0]] * 3, "shard 0 at {0} is one of 2 shards, but --server lists 3"),
+    ]
+    other = start_shards(start_service, layout="balanced")  # another map: another layout
+    cases.append(([shards[0], other[1]], "shard 1 at {1} has shard map"))
+    for listed, message in cases:
+        client = ShardedClient([address(s) for s in listed])
+        with pytest.raises(ShardMapError, match=message.format(*map(address, listed))):
+            client.join("l0", FINGERPRINT)
+        client.close()
+
+
+def test_a_shard_that_does_not_advertise_addresses_needs_a_list(start_service) -> None:
+    shard = start_service(fragments=3, shard_count=2)
+    client = ShardedClient([address(shard)])
+    with pytest.raises(ShardMapError, match="does not advertise the shards' addresses"):
+        client.join("l0", FINGERPRINT)
+    client.close()
+
+
+def test_the_learner_ends_with_one_error_line_naming_the_shard(start_service, tmp_path) -> None:
+    shards = start_shards(start_service)
+    listed = f"{address(shards[1])},{address(shards[0])}"
+    learner = learner_process(tmp_path, shards[0].port, "l0", "--server", listed, "--n-layer", "3")
+    assert learner.wait(120) == 1
+    lines = learner.log_text().strip().splitlines()
+    assert lines[-1] == (
+        f"diloco-learner: error: shard 0 at {address(shards[1])} is shard 1: list the shards "
+        "in index order"
+    )
