@@ -3,7 +3,7 @@
     python bench/scale.py --quick          # 512 M params, 8 learners, 1/2/4 shards (< 3 min)
     python bench/scale.py                  # + 64 learners on a 128 M model, 1/2/4 shards
 
-Each shard is its own `diloco-server` process (quorum mode, K = the learner count, P = 4
+Each shard is its own `diloco-server` process (quorum mode, K = half the learners, P = 4
 fragments of two 8192 x 8192 fp32 tensors each, balanced layout, fp4 pulls), so its memory
 and CPU time are read from /proc. The simulated learners are threads of this process: each
 learner has one thread per shard (as a real learner has one sync thread per shard) that
@@ -17,7 +17,8 @@ Per run (one shard count, one learner count), in bench/results/scale.json:
                        arrived) / fp32 bytes of the fragments the shard owns
   pushes_per_s         fragment pushes accepted per second, all shards together, over the
                        measured window (after every learner joined)
-  cpu_s_per_gb         CPU seconds of all shards in that window / pushed wire GB (1e9 bytes)
+  cpu_s_per_gb         CPU seconds of all shards in that window / wire GB (1e9 bytes) the
+                       learners streamed to them in it (pushes still in flight included)
   pull_p50_s, pull_p99_s  the probe's one-update pull latency
 A run stops early (`rss_limit_hit`) if the shards together pass --rss-limit-gb, so a
 benchmark never takes the shared machine's memory from under other work.
@@ -40,9 +41,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.codec import codec_id, encode_values  # noqa: E402
+from common.fragment_wire import fragment_parts  # noqa: E402
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
 from common.rpc import LEARNER_ID_HEADER  # noqa: E402
-from common.wire import encode_fragment  # noqa: E402
 from deploy.launcher import SERVER, Daemon, start_daemon, stop_all  # noqa: E402
 from learner.shards import ShardedClient  # noqa: E402
 
@@ -100,7 +102,6 @@ class Fleet:
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.pushes = 0
-        self.pushed_bytes = 0
         self.pull_latencies: list[float] = []
         self.errors: dict[str, int] = {}
         self.error_details: dict[str, str] = {}  # the first message of each code
@@ -132,10 +133,23 @@ class Fleet:
             owned[self.clients[0].shard_of(f)].append(f)
         return owned
 
-    def count_error(self, err: grpc.RpcError) -> None:
+    def settled(self, min_versions: int) -> bool:
+        """Every fragment has reached `min_versions` and, if that is at least 1, the probe
+        has timed a pull."""
         with self.lock:
-            self.errors[err.code().name] = self.errors.get(err.code().name, 0) + 1
-            self.error_details.setdefault(err.code().name, str(err.details()))
+            reached = min(self.latest) >= min_versions
+            return reached and (min_versions < 1 or bool(self.pull_latencies))
+
+    def bytes_sent(self) -> int:
+        """Bytes the learners handed to their channels (pushes, as they stream)."""
+        return sum(client.traffic.sent for client in self.clients)
+
+    def count_error(self, err: grpc.RpcError | ValueError) -> None:
+        code = err.code().name if isinstance(err, grpc.RpcError) else type(err).__name__
+        detail = err.details() if isinstance(err, grpc.RpcError) else str(err)
+        with self.lock:
+            self.errors[code] = self.errors.get(code, 0) + 1
+            self.error_details.setdefault(code, str(detail))
 
     def push_loop(self, i: int, fragments: list[int], payloads: list[bytes]) -> None:
         """One learner's thread for one shard: push each fragment, wait for its round."""
@@ -151,7 +165,6 @@ class Fleet:
                     client.push(header, payloads[f])
                     with self.lock:
                         self.pushes += 1
-                        self.pushed_bytes += len(payloads[f])
                 for f in fragments:
                     while not self.stop.is_set():
                         head, _ = client.pull(session, f, versions[f], versions[f] + 1, 5.0)
@@ -160,7 +173,7 @@ class Fleet:
                             with self.lock:
                                 self.latest[f] = max(self.latest[f], head.version)
                             break
-        except grpc.RpcError as err:
+        except (grpc.RpcError, ValueError) as err:  # ValueError: a channel closed at the end
             if not self.stop.is_set():
                 self.count_error(err)
 
@@ -178,44 +191,30 @@ class Fleet:
                     client.pull(session, f, version - 1, version, 0.0)
                     with self.lock:
                         self.pull_latencies.append(time.perf_counter() - started)
-        except grpc.RpcError as err:
+        except (grpc.RpcError, ValueError) as err:  # ValueError: a channel closed at the end
             if not self.stop.is_set():
                 self.count_error(err)
 
 
-def start_shards(count: int, learners: int, workdir: Path) -> list[Daemon]:
-    shards = []
+# Every shard alike: quorum rounds with a short grace window, no staleness refusals (pushes
+# that miss a round join the next), leases that outlast a slow push, the servers' own layout.
+SHARD_FLAGS = [
+    "--insecure", "--listen", "127.0.0.1:0", "--mode", "quorum", "--grace-max-s", "0.5",
+    "--max-staleness", "1000000", "--lease-s", "120", "--fragments", str(FRAGMENTS),
+    "--layout", "balanced", "--log-level", "WARNING",
+]  # fmt: skip
+
+
+def start_shards(count: int, quorum: int, workdir: Path) -> list[Daemon]:
+    shards: list[Daemon] = []
     try:
         for i in range(count):
+            argv = [*SERVER, *SHARD_FLAGS, "--min-contributors", str(quorum)]
+            argv += ["--shard-index", str(i), "--shard-count", str(count)]
             shards.append(
                 start_daemon(
                     f"shard-{i}",
-                    [
-                        *SERVER,
-                        "--insecure",
-                        "--listen",
-                        "127.0.0.1:0",
-                        "--mode",
-                        "quorum",
-                        "--min-contributors",
-                        str(learners),
-                        "--grace-max-s",
-                        "0.5",
-                        "--max-staleness",
-                        "1000000",
-                        "--lease-s",
-                        "120",
-                        "--fragments",
-                        str(FRAGMENTS),
-                        "--layout",
-                        "balanced",
-                        "--shard-index",
-                        str(i),
-                        "--shard-count",
-                        str(count),
-                        "--log-level",
-                        "WARNING",
-                    ],
+                    argv,
                     workdir / f"shard-{i}.log",
                     port_file=workdir / f"shard-{i}.port",
                 )  # fmt: skip
@@ -229,12 +228,17 @@ def start_shards(count: int, learners: int, workdir: Path) -> list[Daemon]:
 def run(
     shards: int, learners: int, model: Model, payloads: tuple[list[bytes], list[bytes]],
     duration_s: float, rss_limit_mb: float, min_versions: int = 0, timeout_s: float = 600.0,
+    quorum: int = 0,
 ) -> dict:  # fmt: skip
     """One run: `shards` servers, `learners` simulated learners, `duration_s` measured (and
-    on until every fragment reached `min_versions`, within `timeout_s` more)."""
+    on until every fragment reached `min_versions` and a pull was timed, within `timeout_s`
+    more). A round closes
+    once `quorum` learners pushed (0: half of them) and the grace window (0.5 s) ends."""
+    quorum = quorum or max(1, learners // 2)
     initial, pushes = payloads
+    begun = time.perf_counter()
     workdir = Path(tempfile.mkdtemp(prefix="diloco-scale-"))
-    daemons = start_shards(shards, learners, workdir)
+    daemons = start_shards(shards, quorum, workdir)
     pids = [d.pid for d in daemons]
     idle_mb = [proc_rss_mb(pid) for pid in pids]
     peak_mb = list(idle_mb)
@@ -249,13 +253,15 @@ def run(
             for s in range(shards)
         ]
         threads.append(threading.Thread(target=fleet.probe_loop, daemon=True))
+        setup_s = time.perf_counter() - begun
         cpu_before = [proc_cpu_s(pid) for pid in pids]
+        sent_before = fleet.bytes_sent()
         started = time.perf_counter()
         for thread in threads:
             thread.start()
         while not limit_hit and (
             (elapsed := time.perf_counter() - started) < duration_s
-            or (min(fleet.latest) < min_versions and elapsed < duration_s + timeout_s)
+            or (not fleet.settled(min_versions) and elapsed < duration_s + timeout_s)
         ):
             rss = [proc_rss_mb(pid) for pid in pids]
             peak_mb = [max(p, r) for p, r in zip(peak_mb, rss, strict=True)]
@@ -263,14 +269,15 @@ def run(
             time.sleep(0.25)
         elapsed = time.perf_counter() - started
         cpu_s = sum(proc_cpu_s(pid) for pid in pids) - sum(cpu_before)
-        with fleet.lock:
-            pushes_done, pushed_gb = fleet.pushes, fleet.pushed_bytes / 1e9
+        pushed_gb = (fleet.bytes_sent() - sent_before) / 1e9  # pushes in flight count too
+        pushes_done = fleet.pushes
     finally:
+        # Closing the channels cancels the calls in flight, so the threads end at once.
         fleet.stop.set()
-        for thread in threads:
-            thread.join(timeout=30)
         for client in fleet.clients:
             client.close()
+        for thread in threads:
+            thread.join(timeout=30)
         stop_all(daemons)
     tensor_mb = model.tensor_bytes() / 2**20
     owned_mb = [tensor_mb * TENSORS / FRAGMENTS * len(fs) for fs in owned]
@@ -279,6 +286,7 @@ def run(
     return {
         "shards": shards,
         "learners": learners,
+        "quorum": quorum,
         "model_params": model.params,
         "model_mb": tensor_mb * TENSORS,
         "rss_per_owned_model": max(ratios),
@@ -300,6 +308,7 @@ def run(
         "pushed_gb": pushed_gb,
         "cpu_s": cpu_s,
         "duration_s": elapsed,
+        "setup_s": setup_s,
         "pulls_timed": len(latencies),
         "errors": fleet.errors,
         "error_details": fleet.error_details,
@@ -308,22 +317,30 @@ def run(
 
 
 def payloads_of(model: Model) -> tuple[list[bytes], list[bytes]]:
-    """Per fragment: the initial fp32 values (zeros) and a pushed fp4 pseudo-gradient."""
+    """Per fragment: the initial fp32 values (zeros) and a pushed fp4 pseudo-gradient. Every
+    fragment has the same shapes, so one encoding of each serves all of them (encoding
+    half a billion values takes minutes on a busy machine; the server's work per push does
+    not depend on the values)."""
     torch.manual_seed(0)
     shape = (model.side, model.side)
-    initial, pushes = [], []
-    for _ in range(FRAGMENTS):
-        initial.append(encode_fragment([torch.zeros(shape), torch.zeros(shape)], "fp32"))
-        delta = [torch.randn(shape) * 1e-3, torch.randn(shape) * 1e-3]
-        pushes.append(encode_fragment(delta, "fp4_e2m1"))
-    return initial, pushes
+    zeros = (codec_id("fp32"), shape, *encode_values(torch.zeros(shape), codec_id("fp32")))
+    delta = torch.randn(shape) * 1e-3
+    fp4 = (codec_id("fp4_e2m1"), shape, *encode_values(delta, codec_id("fp4_e2m1")))
+    per_fragment = TENSORS // FRAGMENTS
+    initial = b"".join(fragment_parts([zeros] * per_fragment))
+    push = b"".join(fragment_parts([fp4] * per_fragment))
+    return [initial] * FRAGMENTS, [push] * FRAGMENTS
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="8 learners only, 25 s a run")
+    parser.add_argument("--quick", action="store_true", help="8 learners only, 20 s a run")
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--duration-s", type=float, default=60.0, help="measured, per run")
+    parser.add_argument(
+        "--min-versions", type=int, default=1, help="and on until every fragment has this one"
+    )
+    parser.add_argument("--quorum", type=int, default=0, help="learners a round needs (0: half)")
     parser.add_argument("--side", type=int, default=8192, help="8 x side^2 params (8192: 512 M)")
     parser.add_argument("--many-learners", type=int, default=64)
     parser.add_argument("--many-side", type=int, default=4096, help="(4096: 128 M params)")
@@ -332,7 +349,8 @@ def main() -> int:
     args = parser.parse_args()
     if any(n not in range(1, FRAGMENTS + 1) for n in args.shards):
         parser.error(f"--shards must each be in 1..{FRAGMENTS}, got {args.shards}")
-    duration_s = 25.0 if args.quick else args.duration_s
+    duration_s = 20.0 if args.quick else args.duration_s
+    min_versions = 0 if args.quick else args.min_versions
     rss_limit_mb = 1024 * (args.rss_limit_gb or 0.8 * mem_available_gb())
     plans = [(8, args.side)]
     if not args.quick:
@@ -343,7 +361,8 @@ def main() -> int:
         model = Model(side)
         payloads = payloads_of(model)
         for n in args.shards:
-            r = run(n, learners, model, payloads, duration_s, rss_limit_mb)
+            r = run(n, learners, model, payloads, duration_s, rss_limit_mb, min_versions,
+                    quorum=args.quorum)  # fmt: skip
             runs.append(r)
             print(
                 f"{n} shard(s), {learners} learners, {model.params / 1e6:.0f} M params: "

@@ -11,14 +11,14 @@ from bench.scale import FRAGMENTS, TENSORS, Model, payloads_of, run
 def test_two_shards_split_the_fragments_and_every_figure_is_measured() -> None:
     model = Model(64)
     report = run(2, 2, model, payloads_of(model), duration_s=1.0, rss_limit_mb=8192.0,
-                 min_versions=3, timeout_s=120.0)  # fmt: skip
-    assert report["errors"] == {} and not report["rss_limit_hit"]
+                 min_versions=3, timeout_s=120.0, quorum=2)  # fmt: skip
+    assert report["errors"] == {} and not report["rss_limit_hit"] and report["quorum"] == 2
     owned = [s["owned_fragments"] for s in report["per_shard"]]
     assert sorted(f for fs in owned for f in fs) == list(range(FRAGMENTS))
     assert all(fs for fs in owned)  # balanced by bytes: two equal fragments each
     fragment_mb = 64 * 64 * 4 * TENSORS / FRAGMENTS / 2**20
     assert [s["owned_mb"] for s in report["per_shard"]] == [2 * fragment_mb] * 2
-    # Three versions of each fragment: 2 learners x 4 fragments x 3 rounds at least.
+    # Three versions of each fragment, both learners in each round: 2 x 4 x 3 pushes at least.
     assert report["pushes"] >= 2 * FRAGMENTS * 3
     assert report["pushed_gb"] > 0 and math.isfinite(report["cpu_s_per_gb"])
     assert report["pulls_timed"] >= 1 and report["pull_p50_s"] > 0
