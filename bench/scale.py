@@ -7,10 +7,11 @@ Each shard is its own `diloco-server` process (quorum mode, K = half the learner
 fragments of two 8192 x 8192 fp32 tensors each, balanced layout, fp4 pulls), so its memory
 and CPU time are read from /proc. The simulated learners are threads of this process: each
 learner has one thread per shard (as a real learner has one sync thread per shard) that
-pushes a pre-encoded fp4 pseudo-gradient of each fragment that shard owns, then long-polls
-for the round to close and pushes again. No training: the load is the wire and the shards.
-A probe thread pulls one update of each fragment (its current version from the one before,
-already available, so no waiting) once a second; that is the pull latency.
+pushes a pre-encoded fp4 pseudo-gradient of each fragment that shard owns, then pulls the
+round's update once it has closed and pushes again (no training: the load is the wire).
+A probe (one more learner, joined but never pushing, on channels of its own) pulls one update
+of each fragment (its current version from the one before, already available, so no
+waiting) once a second; that is the pull latency.
 
 Per run (one shard count, one learner count), in bench/results/scale.json:
   rss_per_owned_model  max over shards of (peak RSS - RSS once serving, before the model
@@ -20,20 +21,23 @@ Per run (one shard count, one learner count), in bench/results/scale.json:
   cpu_s_per_gb         CPU seconds of all shards in that window / wire GB (1e9 bytes) the
                        learners streamed to them in it (pushes still in flight included)
   pull_p50_s, pull_p99_s  the probe's one-update pull latency
-A run stops early (`rss_limit_hit`) if the shards together pass --rss-limit-gb, so a
-benchmark never takes the shared machine's memory from under other work.
+A run stops early (`rss_limit_hit`) if the shards and this process together pass
+--rss-limit-gb, so a benchmark never takes the shared machine's memory from under other
+work. One watcher per fragment long-polls its next version; learners wait for it, then
+pull the update (at most PULLS_AT_ONCE at once in this process, for its memory).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -51,47 +55,42 @@ from learner.shards import ShardedClient  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 FRAGMENTS = 4
 TENSORS = 8  # two per fragment
+PULLS_AT_ONCE = 16
+PER_SHARD = ("owned_fragments", "owned_mb", "idle_rss_mb", "peak_rss_mb", "rss_per_owned_model")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Model:
-    """TENSORS square fp32 matrices; the pushes' fp4 payloads and the initial values."""
+    """TENSORS square fp32 matrices of `side` x `side`, two per fragment."""
 
     side: int
-    specs: list[pb.ParamSpec] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.specs = [
-            pb.ParamSpec(name=f"w{i}", shape=[self.side, self.side], dtype="float32")
-            for i in range(TENSORS)
-        ]
+    @property
+    def specs(self) -> list[pb.ParamSpec]:
+        shape = [self.side, self.side]
+        return [pb.ParamSpec(name=f"w{i}", shape=shape, dtype="float32") for i in range(TENSORS)]
 
     @property
     def params(self) -> int:
         return TENSORS * self.side * self.side
 
-    def tensor_bytes(self) -> int:
-        return self.side * self.side * 4
+
+def proc_field_kib(path: str, key: str) -> float:
+    """A `key: N kB` line of a /proc file (VmRSS in /proc/PID/status, MemAvailable...)."""
+    for line in Path(path).read_text().splitlines():
+        if line.startswith(key + ":"):
+            return float(line.split()[1])
+    return float("nan")
 
 
 def proc_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return proc_field_kib(f"/proc/{pid}/status", "VmRSS") / 1024
 
 
 def proc_cpu_s(pid: int) -> float:
     """utime + stime of a process, from /proc/PID/stat (clock ticks of 1/100 s)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / 100
-
-
-def mem_available_gb() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 class Fleet:
@@ -107,7 +106,11 @@ class Fleet:
         self.error_details: dict[str, str] = {}  # the first message of each code
         self.sessions: list[str] = []
         self.clients: list[ShardedClient] = []
-        self.latest = [0] * FRAGMENTS  # the newest version any learner has seen
+        self.latest = [0] * FRAGMENTS  # the newest version of each fragment (watch_loop)
+        self.advanced = threading.Condition(self.lock)
+        # Pull answers held at once in this process: 64 learners x 4 shards taking a 17 MB
+        # update each at the same moment would hold gigabytes here, not in the servers.
+        self.pulls = threading.BoundedSemaphore(PULLS_AT_ONCE)
 
     def client(self, i: int) -> ShardedClient:
         return ShardedClient(self.addresses, None, ((LEARNER_ID_HEADER, f"scale-{i}"),))
@@ -115,7 +118,7 @@ class Fleet:
     def join_all(self, initial: list[bytes]) -> list[list[int]]:
         """Join every learner on every shard; learner 0 initialises each fragment. Returns
         the owner shard's fragments, per shard."""
-        for i in range(self.learners):
+        for i in range(self.learners + 1):  # the last: the probe, a learner that never pushes
             client = self.client(i)
             client.wait_ready(60)
             reply = client.join(f"scale-{i}", self.model.specs)
@@ -166,21 +169,36 @@ class Fleet:
                     with self.lock:
                         self.pushes += 1
                 for f in fragments:
-                    while not self.stop.is_set():
-                        head, _ = client.pull(session, f, versions[f], versions[f] + 1, 5.0)
-                        if head.version > versions[f]:
-                            versions[f] = head.version
-                            with self.lock:
-                                self.latest[f] = max(self.latest[f], head.version)
-                            break
+                    with self.advanced:  # a watcher long-polls; learners wait here
+                        while self.latest[f] <= versions[f] and not self.stop.is_set():
+                            self.advanced.wait(1.0)
+                    with self.pulls:  # the update, as a learner takes it at its merge
+                        head, _ = client.pull(session, f, versions[f], self.latest[f], 0.0)
+                    versions[f] = head.version
+        except (grpc.RpcError, ValueError) as err:  # ValueError: a channel closed at the end
+            if not self.stop.is_set():
+                self.count_error(err)
+
+    def watch_loop(self, f: int) -> None:
+        """Long-poll one fragment's next version and wake the learners waiting for it."""
+        client, session = self.clients[-1], self.sessions[-1]
+        version = 0
+        try:
+            while not self.stop.is_set():
+                head, _ = client.pull(session, f, version, version + 1, 5.0)
+                if head.version > version:
+                    version = head.version
+                    with self.advanced:
+                        self.latest[f] = version
+                        self.advanced.notify_all()
         except (grpc.RpcError, ValueError) as err:  # ValueError: a channel closed at the end
             if not self.stop.is_set():
                 self.count_error(err)
 
     def probe_loop(self) -> None:
-        """Once a second, pull one available update of each fragment and time it (with
-        learner 0's client, which knows each fragment's shard and is thread-safe)."""
-        client, session = self.clients[0], self.sessions[0]
+        """Once a second, pull one available update of each fragment and time it, on
+        channels of its own (a learner's are busy with its pushes)."""
+        client, session = self.clients[-1], self.sessions[-1]
         try:
             while not self.stop.wait(1.0):
                 for f in range(FRAGMENTS):
@@ -197,10 +215,10 @@ class Fleet:
 
 
 # Every shard alike: quorum rounds with a short grace window, no staleness refusals (pushes
-# that miss a round join the next), leases that outlast a slow push, the servers' own layout.
+# that miss a round join the next), leases that outlast a run, the servers' own layout.
 SHARD_FLAGS = [
     "--insecure", "--listen", "127.0.0.1:0", "--mode", "quorum", "--grace-max-s", "0.5",
-    "--max-staleness", "1000000", "--lease-s", "120", "--fragments", str(FRAGMENTS),
+    "--max-staleness", "1000000", "--lease-s", "600", "--fragments", str(FRAGMENTS),
     "--layout", "balanced", "--log-level", "WARNING",
 ]  # fmt: skip
 
@@ -232,8 +250,7 @@ def run(
 ) -> dict:  # fmt: skip
     """One run: `shards` servers, `learners` simulated learners, `duration_s` measured (and
     on until every fragment reached `min_versions` and a pull was timed, within `timeout_s`
-    more). A round closes
-    once `quorum` learners pushed (0: half of them) and the grace window (0.5 s) ends."""
+    more). A round closes once `quorum` learners pushed (0: half) and 0.5 s of grace end."""
     quorum = quorum or max(1, learners // 2)
     initial, pushes = payloads
     begun = time.perf_counter()
@@ -253,6 +270,8 @@ def run(
             for s in range(shards)
         ]
         threads.append(threading.Thread(target=fleet.probe_loop, daemon=True))
+        for f in range(FRAGMENTS):
+            threads.append(threading.Thread(target=fleet.watch_loop, args=(f,), daemon=True))
         setup_s = time.perf_counter() - begun
         cpu_before = [proc_cpu_s(pid) for pid in pids]
         sent_before = fleet.bytes_sent()
@@ -265,7 +284,7 @@ def run(
         ):
             rss = [proc_rss_mb(pid) for pid in pids]
             peak_mb = [max(p, r) for p, r in zip(peak_mb, rss, strict=True)]
-            limit_hit = sum(rss) > rss_limit_mb
+            limit_hit = sum(rss) + proc_rss_mb(os.getpid()) > rss_limit_mb
             time.sleep(0.25)
         elapsed = time.perf_counter() - started
         cpu_s = sum(proc_cpu_s(pid) for pid in pids) - sum(cpu_before)
@@ -274,12 +293,14 @@ def run(
     finally:
         # Closing the channels cancels the calls in flight, so the threads end at once.
         fleet.stop.set()
+        with fleet.advanced:
+            fleet.advanced.notify_all()
         for client in fleet.clients:
             client.close()
         for thread in threads:
             thread.join(timeout=30)
         stop_all(daemons)
-    tensor_mb = model.tensor_bytes() / 2**20
+    tensor_mb = model.side * model.side * 4 / 2**20
     owned_mb = [tensor_mb * TENSORS / FRAGMENTS * len(fs) for fs in owned]
     ratios = [(p - i) / o for p, i, o in zip(peak_mb, idle_mb, owned_mb, strict=True)]
     latencies = sorted(fleet.pull_latencies)
@@ -295,15 +316,9 @@ def run(
         "pull_p50_s": statistics.median(latencies) if latencies else None,
         "pull_p99_s": latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
         "per_shard": [
-            {
-                "owned_fragments": fs,
-                "owned_mb": o,
-                "idle_rss_mb": i,
-                "peak_rss_mb": p,
-                "rss_per_owned_model": r,
-            }
-            for fs, o, i, p, r in zip(owned, owned_mb, idle_mb, peak_mb, ratios, strict=True)
-        ],  # fmt: skip
+            dict(zip(PER_SHARD, row, strict=True))
+            for row in zip(owned, owned_mb, idle_mb, peak_mb, ratios, strict=True)
+        ],
         "pushes": pushes_done,
         "pushed_gb": pushed_gb,
         "cpu_s": cpu_s,
@@ -337,9 +352,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="8 learners only, 20 s a run")
     parser.add_argument("--shards", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--duration-s", type=float, default=60.0, help="measured, per run")
-    parser.add_argument(
-        "--min-versions", type=int, default=1, help="and on until every fragment has this one"
-    )
+    parser.add_argument("--min-versions", type=int, default=1, help="and on until reached")
     parser.add_argument("--quorum", type=int, default=0, help="learners a round needs (0: half)")
     parser.add_argument("--side", type=int, default=8192, help="8 x side^2 params (8192: 512 M)")
     parser.add_argument("--many-learners", type=int, default=64)
@@ -351,10 +364,9 @@ def main() -> int:
         parser.error(f"--shards must each be in 1..{FRAGMENTS}, got {args.shards}")
     duration_s = 20.0 if args.quick else args.duration_s
     min_versions = 0 if args.quick else args.min_versions
-    rss_limit_mb = 1024 * (args.rss_limit_gb or 0.8 * mem_available_gb())
-    plans = [(8, args.side)]
-    if not args.quick:
-        plans.append((args.many_learners, args.many_side))
+    available_gb = proc_field_kib("/proc/meminfo", "MemAvailable") / 2**20
+    rss_limit_mb = 1024 * (args.rss_limit_gb or 0.8 * available_gb)
+    plans = [(8, args.side)] + ([] if args.quick else [(args.many_learners, args.many_side)])
     started = time.perf_counter()
     runs = []
     for learners, side in plans:
