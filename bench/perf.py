@@ -19,6 +19,9 @@ Figures (each with its target), written to bench/results/perf.json and plotted:
   learner count's own part is load.server_rss_mb_per_learner (4 MiB, 8 vs --learners), and
   load.server_rss_vs_model the single 4 MiB run's peak above idle in model sizes (mostly
   that per-learner part at this size).
+Printed beside them, without a target: sparse_encode_vs_memcpy, the top-k sparse encoder
+(sparse_2bit, 64 of every 4096, common/sparse.py) on a 64 MiB float32 tensor, one thread,
+as a fraction of clone() of the same tensor, and its decode likewise (sparse_decode_vs_memcpy).
 With a CUDA GPU, the codec and a training step on it (bench/cuda_check.py) are added.
 """
 
@@ -67,6 +70,38 @@ def codec(size_mib: int, repeats: int) -> dict:
         else:
             os.environ["DILOCO_FP4_KERNEL"] = saved
     return {"native": native, "torch_path": reference}
+
+
+def sparse_codec(size_mib: int, repeats: int) -> dict:
+    """The sparse encoder and decoder against clone() of the same tensor, one thread."""
+    from bench.cuda_check import median_s
+    from common.generated.diloco.v1 import aggregator_pb2 as pb
+    from common.sparse import encode_sparse
+    from common.sparse_wire import sparse_entries
+
+    threads, cpu = torch.get_num_threads(), torch.device("cpu")
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(size_mib * (1 << 20) // 4, generator=torch.Generator().manual_seed(0))
+        codec, k = pb.CODEC_SPARSE_2BIT, 64
+        enc = encode_sparse(x, codec, k)
+        payload, scales = enc.payload().numpy().tobytes(), enc.scales.numpy().tobytes()
+        clone_s = median_s(lambda: x.clone(), cpu, repeats)
+        encode_s = median_s(lambda: encode_sparse(x, codec, k), cpu, repeats)
+        decode_s = median_s(
+            lambda: sparse_entries(codec, payload, scales, x.numel(), k), cpu, repeats
+        )
+    finally:
+        torch.set_num_threads(threads)
+    return {
+        "size_mib": size_mib,
+        "clone_s": clone_s,
+        "encode_s": encode_s,
+        "decode_s": decode_s,
+        "bits_per_param": 8 * (len(payload) + len(scales)) / x.numel(),
+        "sparse_encode_vs_memcpy": clone_s / encode_s,
+        "sparse_decode_vs_memcpy": clone_s / decode_s,
+    }
 
 
 def server_rss(learners: int, duration_s: float) -> dict:
@@ -153,6 +188,8 @@ def main() -> int:
     report: dict = {"quick": args.quick, "torch": torch.__version__, "cpus": os.cpu_count()}
     report["codec"] = codec(64, 3 if args.quick else 7)
     report["codec_vs_memcpy"] = report["codec"]["native"]["codec_vs_memcpy"]
+    report["sparse"] = sparse_codec(64, 3 if args.quick else 7)
+    report["sparse_encode_vs_memcpy"] = report["sparse"]["sparse_encode_vs_memcpy"]
     report["ingest"] = ingest.measure(quick=args.quick)
     report["ingest_vs_grpc"] = report["ingest"]["ingest_vs_grpc"]
     report["learner"] = learner_overhead.measure(quick=args.quick)
@@ -178,6 +215,12 @@ def main() -> int:
     )
     baseline = report["codec"]["torch_path"]["codec_vs_memcpy"]
     print(f"codec_vs_memcpy of the pure-torch path (the baseline) {baseline:.3f}")
+    sparse = report["sparse"]
+    print(
+        f"sparse_encode_vs_memcpy {sparse['sparse_encode_vs_memcpy']:.3f} (sparse_2bit, 64 of "
+        f"4096, {sparse['bits_per_param']:.3f} bits/param); decode "
+        f"{sparse['sparse_decode_vs_memcpy']:.3f}"
+    )
     gil = report["learner"]["gil"]
     print(
         f"longest training-thread stall while pushing {gil['fragment_mib']} MiB: "

@@ -1,4 +1,4 @@
-"""Tensor codecs for the wire: fp32, bf16 and two 4-bit block formats.
+"""Tensor codecs for the wire: fp32, bf16 and two 4-bit block formats (sparse: common/sparse.py).
 
     from common.codec import encode, decode
     wire = encode(torch.randn(3, 100), "fp4_e2m1")   # an EncodedTensor message
@@ -54,6 +54,8 @@ from common.fragment_wire import (
     tensor_message,
 )
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.sparse_wire import SPARSE_CODECS
+from common.sparse_wire import dense as sparse_dense
 
 # The codecs' names and byte sizes belong to the wire format (common/fragment_wire.py) and
 # are part of this module's interface too: they name and size the numbers encoded here.
@@ -101,12 +103,23 @@ def encode(
     codec: str | int,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
+    sparse_k: int = 64,
 ) -> pb.EncodedTensor:
     """Encode a floating-point tensor of any shape; raises ValueError on non-finite values.
 
-    `rounding` applies to the 4-bit codecs; "stochastic" draws from `generator`.
+    `rounding` applies to the 4-bit codecs; "stochastic" draws from `generator`. The sparse
+    codecs keep `sparse_k` values of every chunk of 4096 (no error feedback here).
     """
     codec = codec_id(codec) if isinstance(codec, str) else codec
+    if codec in SPARSE_CODECS:
+        from common.sparse import encode_sparse  # built on this module's fp4 rounding
+
+        flat = tensor.detach().reshape(-1).to(torch.float32)
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError("cannot encode a tensor with NaN or infinite values")
+        enc = encode_sparse(flat, codec, sparse_k)
+        payload, scales = _host_bytes(enc.payload()), _host_bytes(enc.scales)
+        return tensor_message(codec, tensor.shape, payload, scales, sparse_k)
     payload, scales = encode_values(tensor, codec, rounding, generator)
     return tensor_message(codec, tensor.shape, payload, scales)
 
@@ -135,6 +148,8 @@ def encode_values(
             raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
         packed, scale_bytes = quantize_fp4(flat, codec, rounding == "stochastic", generator)
         return _host_bytes(packed), _host_bytes(scale_bytes)
+    if codec in SPARSE_CODECS:
+        raise ValueError("sparse codecs are encoded whole: use encode, or common.sparse")
     raise ValueError(f"unknown codec {codec}")
 
 
@@ -168,6 +183,9 @@ def decode_values(tensor: WireTensor, device: str | torch.device = "cpu") -> tor
     elif tensor.codec == pb.CODEC_BF16:
         raw = torch.frombuffer(bytearray(tensor.payload), dtype=torch.bfloat16)
         flat = raw.to(device).float()
+    elif tensor.entries is not None:  # sparse: the parser checked and decoded the entries
+        positions, values = tensor.entries
+        return sparse_dense(positions, values.to(device), numel).reshape(shape)
     else:
         packed = torch.frombuffer(bytearray(tensor.payload), dtype=torch.uint8).to(device)
         scales = torch.frombuffer(bytearray(tensor.scales), dtype=torch.uint8).to(device)
@@ -211,25 +229,40 @@ def quantize_fp4(
         grid = FP4_GRIDS[codec]
         top_shift = math.floor(math.log2(float(grid[-1]))) + 1
         return kernel.quantize(flat.contiguous(), grid, FP4_MIDPOINTS[codec], top_shift)
-    grid = FP4_GRIDS[codec].to(flat.device)
     numel = flat.numel()
     n_blocks = (numel + FP4_BLOCK - 1) // FP4_BLOCK
     padded = torch.zeros(n_blocks * FP4_BLOCK, dtype=torch.float32, device=flat.device)
     padded[:numel] = flat
-    blocks = padded.view(n_blocks, FP4_BLOCK)
+    codes, exps = fp4_block_codes(padded.view(n_blocks, FP4_BLOCK), codec, stochastic, generator)
+    codes = codes.reshape(-1)
+    codes = codes[: numel + (numel % 2)]  # drop block padding but keep an even count
+    packed = codes[0::2] | (codes[1::2] << 4)
+    return packed, (exps + E8M0_BIAS).to(torch.uint8)
+
+
+def fp4_block_codes(
+    blocks: torch.Tensor,
+    codec: int = pb.CODEC_FP4_E2M1,
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit codes (uint8, sign in bit 3, blocks' shape) and scale exponents (int32, one
+    per row) of finite float32 `blocks`, each row sharing one scale: quantize_fp4's rule for
+    blocks of any width (the sparse codec's chunks use it too, common/sparse.py)."""
+    grid = FP4_GRIDS[codec].to(blocks.device)
     exps = _block_scale_exponents(blocks, float(grid[-1]))
     # ldexp by a power of two is exact (no rounding) unless the result underflows, and values
     # that small round to code 0 anyway.
-    scaled = torch.ldexp(blocks, (-exps).unsqueeze(1).float()).abs().reshape(-1)
+    scaled = torch.ldexp(blocks, (-exps).unsqueeze(1).float()).abs()
     if stochastic:
         below = (torch.bucketize(scaled, grid, right=True) - 1).clamp(0, len(grid) - 2)
         low, high = grid[below], grid[below + 1]
         p_up = ((scaled - low) / (high - low)).clamp(0, 1)
         # Drawn on the generator's device (the CPU unless given a CUDA one), so a seed gives
         # the same codes wherever the tensor lives.
-        draw_device = generator.device if generator is not None else flat.device
+        draw_device = generator.device if generator is not None else blocks.device
         draw = torch.rand(scaled.shape, generator=generator, device=draw_device)
-        codes = below + (draw.to(flat.device) < p_up).long()
+        codes = below + (draw.to(blocks.device) < p_up).long()
     else:
         midpoints = (grid[1:] + grid[:-1]) / 2
         lower = torch.bucketize(scaled, midpoints, right=False)
@@ -239,11 +272,9 @@ def quantize_fp4(
     # Near float32's maximum, rounding up could decode to infinity: cap the code instead.
     headroom = F32_MAX / torch.ldexp(torch.ones_like(exps, dtype=torch.float64), exps.double())
     top_code = torch.bucketize(headroom, grid.double(), right=True) - 1
-    codes = torch.minimum(codes, top_code.repeat_interleave(FP4_BLOCK)).to(torch.uint8)
-    codes |= (padded < 0).to(torch.uint8) << 3
-    codes = codes[: numel + (numel % 2)]  # drop block padding but keep an even count
-    packed = codes[0::2] | (codes[1::2] << 4)
-    return packed, (exps + E8M0_BIAS).to(torch.uint8)
+    codes = torch.minimum(codes, top_code.unsqueeze(1)).to(torch.uint8)
+    codes |= (blocks < 0).to(torch.uint8) << 3
+    return codes, exps
 
 
 def dequantize_fp4(

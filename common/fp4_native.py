@@ -1,4 +1,5 @@
-"""The compiled FP4 kernel (common/fp4_kernel.c) for CPU tensors, built on first use.
+"""The compiled FP4 kernel (common/fp4_kernel.c) for CPU tensors, built on first use; it also
+holds the sparse codecs' top-k selection (topk_select, common/sparse.py).
 
     from common import fp4_native
     kernel = fp4_native.load()          # None where it cannot be built (and says why, once)
@@ -60,6 +61,8 @@ class Kernel:
         lib.fp4_stats.restype = i64
         lib.fp4_accumulate.argtypes = [text, text, i64, ptr, f32, cint, ptr]
         lib.fp4_accumulate.restype = i64
+        lib.topk_select.argtypes = [ptr, i64, i64, i64, ptr]
+        lib.topk_select.restype = None
         self._lib = lib
         self._add_mode: int | None = None
         self._add_mode_probed = False
@@ -137,6 +140,19 @@ class Kernel:
                 payload, scales, numel, grid.data_ptr(), weight, mode, out.data_ptr()
             )
         )
+
+    def topk_select(self, rows: torch.Tensor, k: int) -> torch.Tensor:
+        """The sparse codec's kept indices (int64, (rows, k), ascending) of a contiguous 2-D
+        float32 CPU tensor of finite values: the k largest magnitudes of each row, the lowest
+        indices among equal ones (common/sparse.py's rule, bit-identical to its torch path)."""
+        if rows.dtype != torch.float32 or rows.dim() != 2 or not rows.is_contiguous():
+            raise ValueError("topk_select needs a contiguous 2-D float32 tensor")
+        n, width = rows.shape
+        if not 1 <= k <= width:
+            raise ValueError(f"topk_select keeps 1..{width} values per row, got {k}")
+        idx = torch.empty((n, k), dtype=torch.int64)
+        self._lib.topk_select(rows.data_ptr(), n, width, k, idx.data_ptr())
+        return idx
 
     def torch_add_mode(self) -> int | None:
         """The mode (ACC_ADD_FMA or ACC_ADD_MUL) whose bits equal torch's

@@ -29,19 +29,31 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from google.protobuf.message import DecodeError
 
 from common.checksum import crc32
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.sparse_wire import (
+    SPARSE_CODECS,
+    check_k,
+    check_scales,
+    sparse_entries,
+    sparse_sizes,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 CODECS = {
     "fp32": pb.CODEC_FP32,
     "bf16": pb.CODEC_BF16,
     "fp4_e2m1": pb.CODEC_FP4_E2M1,
     "fp4_e3m0": pb.CODEC_FP4_E3M0,
+    "sparse_2bit": pb.CODEC_SPARSE_2BIT,
+    "sparse_fp4": pb.CODEC_SPARSE_FP4,
 }
 CODEC_NAMES = {value: name for name, value in CODECS.items()}
 FP4_CODECS = (pb.CODEC_FP4_E2M1, pb.CODEC_FP4_E3M0)
@@ -55,20 +67,25 @@ NAN_SCALE = "FP4 block scale is NaN (E8M0 byte 255)"
 _LENGTH_DELIMITED = 2
 
 
-def encoded_sizes(codec: int, numel: int) -> tuple[int, int]:
-    """Exact (payload, scales) byte lengths of a tensor of `numel` elements in `codec`."""
+def encoded_sizes(codec: int, numel: int, sparse_k: int = 0) -> tuple[int, int]:
+    """Exact (payload, scales) byte lengths of a tensor of `numel` elements in `codec`
+    (sparse codecs: keeping `sparse_k` values per chunk, common/sparse_wire.py)."""
     if codec == pb.CODEC_FP32:
         return 4 * numel, 0
     if codec == pb.CODEC_BF16:
         return 2 * numel, 0
     if codec in FP4_CODECS:
         return (numel + 1) // 2, (numel + FP4_BLOCK - 1) // FP4_BLOCK
+    if codec in SPARSE_CODECS:
+        return sparse_sizes(codec, numel, sparse_k)
     raise InvalidArgument(f"unknown codec {codec}")
 
 
-def tensor_crc32(payload: Part, scales: Part) -> int:
-    """The checksum a tensor carries: CRC32 of its payload followed by its scales."""
-    return crc32(_buffer(scales), crc32(_buffer(payload)))
+def tensor_crc32(payload: Part, scales: Part, sparse_k: int = 0) -> int:
+    """The checksum a tensor carries: CRC32 of its payload followed by its scales, and for a
+    sparse tensor its `sparse_k` (4 bytes, little-endian), which sizes and places them."""
+    crc = crc32(_buffer(scales), crc32(_buffer(payload)))
+    return crc32(sparse_k.to_bytes(4, "little"), crc) if sparse_k else crc
 
 
 # ---- The writer --------------------------------------------------------------------------
@@ -90,25 +107,27 @@ class SharedBytes(Protocol):
 Part = bytes | memoryview | SharedBytes
 
 
-def tensor_parts(codec: int, shape: Sequence[int], payload: Part, scales: Part) -> list[Part]:
+def tensor_parts(
+    codec: int, shape: Sequence[int], payload: Part, scales: Part, sparse_k: int = 0
+) -> list[Part]:
     """One `tensors` entry of a serialized EncodedFragment, with its field tag, as
     [framing, payload, framing, scales, framing]: payload and scales pass through uncopied."""
-    head, middle, tail = _tensor_framing(codec, shape, payload, scales)
+    head, middle, tail = _tensor_framing(codec, shape, payload, scales, sparse_k)
     size = len(head) + _nbytes(payload) + len(middle) + _nbytes(scales) + len(tail)
     return [_field_header(1, size) + head, payload, middle, scales, tail]
 
 
-def fragment_parts(tensors: Iterable[tuple[int, Sequence[int], Part, Part]]) -> list[Part]:
-    """A serialized EncodedFragment of (codec, shape, payload, scales) tensors, in parts
-    whose concatenation is the message (tensor_parts, one after the other)."""
+def fragment_parts(tensors: Iterable[tuple]) -> list[Part]:
+    """A serialized EncodedFragment of (codec, shape, payload, scales[, sparse_k]) tensors,
+    in parts whose concatenation is the message (tensor_parts, one after the other)."""
     return [part for tensor in tensors for part in tensor_parts(*tensor)]
 
 
 def tensor_message(
-    codec: int, shape: Sequence[int], payload: Part, scales: Part
+    codec: int, shape: Sequence[int], payload: Part, scales: Part, sparse_k: int = 0
 ) -> pb.EncodedTensor:
     """One EncodedTensor message, read back from the writer's own bytes (one writer)."""
-    head, middle, tail = _tensor_framing(codec, shape, payload, scales)
+    head, middle, tail = _tensor_framing(codec, shape, payload, scales, sparse_k)
     body = b"".join((head, _buffer(payload), middle, _buffer(scales), tail))
     return pb.EncodedTensor.FromString(body)
 
@@ -123,17 +142,18 @@ def chain_parts(from_version: int, updates: Iterable[bytes]) -> tuple[bytes, ...
 
 
 def _tensor_framing(
-    codec: int, shape: Sequence[int], payload: Part, scales: Part
+    codec: int, shape: Sequence[int], payload: Part, scales: Part, sparse_k: int = 0
 ) -> tuple[bytes, bytes, bytes]:
     """The EncodedTensor bytes before the payload, between payload and scales, and after the
-    scales. Fields go in number order (codec, shape | payload | scales | crc32) and empty
-    ones are left out, as protobuf serializes them."""
+    scales. Fields go in number order (codec, shape | payload | scales | crc32, sparse_k)
+    and empty ones are left out, as protobuf serializes them."""
     n_payload, n_scales = _nbytes(payload), _nbytes(scales)
     head = pb.EncodedTensor(codec=codec, shape=list(shape)).SerializeToString()
     if n_payload:
         head += _field_header(3, n_payload)
     middle = _field_header(4, n_scales) if n_scales else b""
-    tail = pb.EncodedTensor(crc32=tensor_crc32(payload, scales)).SerializeToString()
+    crc = tensor_crc32(payload, scales, sparse_k)
+    tail = pb.EncodedTensor(crc32=crc, sparse_k=sparse_k).SerializeToString()
     return head, middle, tail
 
 
@@ -173,6 +193,10 @@ class WireTensor:
     numel: int
     payload: bytes
     scales: bytes
+    sparse_k: int = 0
+    # Sparse codecs: the kept entries' flat positions (int64) and float32 values, checked
+    # (common/sparse_wire.py); their size is in proportion to the payload's.
+    entries: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def check_tensor(msg: pb.EncodedTensor, expected_shape: Sequence[int] | None = None) -> WireTensor:
@@ -184,15 +208,20 @@ def check_tensor(msg: pb.EncodedTensor, expected_shape: Sequence[int] | None = N
     if expected_shape is not None and shape != tuple(expected_shape):
         raise InvalidArgument(f"shape {shape} does not match expected {tuple(expected_shape)}")
     numel = math.prod(shape)
-    payload_len, scales_len = encoded_sizes(msg.codec, numel)
+    check_k(msg.codec, msg.sparse_k)
+    payload_len, scales_len = encoded_sizes(msg.codec, numel, msg.sparse_k)
     payload, scales = msg.payload, msg.scales  # each read copies out of the message: once
     if len(payload) != payload_len or len(scales) != scales_len:
         raise InvalidArgument(
             f"{CODEC_NAMES.get(msg.codec)} tensor of shape {shape} needs {payload_len} payload "
             f"and {scales_len} scale bytes, got {len(payload)} and {len(scales)}"
         )
-    if tensor_crc32(payload, scales) != msg.crc32:
+    if tensor_crc32(payload, scales, msg.sparse_k) != msg.crc32:
         raise InvalidArgument("tensor checksum mismatch")
+    if msg.codec in SPARSE_CODECS:
+        check_scales(msg.codec, scales)
+        entries = sparse_entries(msg.codec, payload, scales, numel, msg.sparse_k)
+        return WireTensor(msg.codec, shape, numel, payload, scales, msg.sparse_k, entries)
     if E8M0_NAN in scales:
         raise InvalidArgument(NAN_SCALE)
     return WireTensor(msg.codec, shape, numel, payload, scales)

@@ -35,6 +35,8 @@ _SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# Threads that answer health checks, apart from the learners' (create_server).
+HEALTH_THREADS = 2
 # Unary calls that are safe to repeat are retried by gRPC itself on UNAVAILABLE.
 _RETRY_SERVICE_CONFIG = {
     "methodConfig": [
@@ -59,16 +61,23 @@ def create_server(
     credentials: grpc.ServerCredentials | None = None,
     max_workers: int = 256,
     interceptors: tuple[grpc.ServerInterceptor, ...] = (),
+    max_concurrent_streams: int = 100,
 ) -> tuple[grpc.Server, int]:
     """An unstarted gRPC server bound to `listen` (host:port) with the health service; TLS
     with `credentials` (common/tls.py), plaintext without.
 
     Long-polling pulls each hold a thread while they wait, so the pool is sized for a few
-    hundred learners rather than for CPU cores.
+    hundred learners rather than for CPU cores. A connection may have at most
+    `max_concurrent_streams` calls open (HTTP/2 SETTINGS): gRPC clients queue the rest; a
+    client that ignores the setting has the excess refused (RST_STREAM REFUSED_STREAM, which
+    its gRPC stack reports as UNAVAILABLE). Health checks run on a pool of their own: a flood
+    of them cannot take the learners' threads, nor can calls that fill the main pool delay
+    them (a Watch holds no thread at all).
     """
+    options = [*_SERVER_OPTIONS, ("grpc.max_concurrent_streams", max_concurrent_streams)]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-        options=_SERVER_OPTIONS,
+        options=options,
         interceptors=interceptors,
     )
     if credentials is None:
@@ -77,17 +86,38 @@ def create_server(
         port = server.add_secure_port(listen, credentials)
     if port == 0:
         raise OSError(f"could not bind the gRPC server to {listen}")
-    health_servicer = health.HealthServicer()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    _add_health(server)
     return server, port
+
+
+def _add_health(server: grpc.Server) -> None:
+    """grpc's health service, with Check run on HEALTH_THREADS threads of its own."""
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    check = servicer.Check
+
+    def own_pool_check(request, context):
+        return check(request, context)
+
+    # grpc runs a behaviour with this attribute on that pool instead of the server's.
+    own_pool_check.experimental_thread_pool = futures.ThreadPoolExecutor(  # type: ignore[attr-defined]
+        max_workers=HEALTH_THREADS, thread_name_prefix="health"
+    )
+    servicer.Check = own_pool_check
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
 
 
 def create_channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
     """A client channel with the same message limits, keepalive and a retry policy; TLS with
-    `credentials`, plaintext without."""
-    options = [*_COMMON_OPTIONS, ("grpc.service_config", json.dumps(_RETRY_SERVICE_CONFIG))]
+    `credentials`, plaintext without. Each channel has a connection of its own, as a learner
+    process does (gRPC would otherwise share one between a process's channels to the same
+    server, and simulated learners would queue behind each other's calls)."""
+    options = [
+        *_COMMON_OPTIONS,
+        ("grpc.service_config", json.dumps(_RETRY_SERVICE_CONFIG)),
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
     if credentials is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, credentials, options=options)

@@ -17,22 +17,32 @@ from common.checksum import crc32
 from common.codec import codec_id, decode_values, encode_values
 from common.errors import InvalidArgument, ResourceExhausted
 from common.fragment_wire import (
+    WireTensor,
     check_fragment,
     encoded_sizes,
     fragment_parts,
     parse_fragment,
     parse_updates,
 )
+from common.sparse import DEFAULT_TOPK_FRACTION, fragment_with_feedback, topk_k
+from common.sparse_wire import SPARSE_CODECS
 
 CHUNK_BYTES = 1 << 20
+DEFAULT_SPARSE_K = topk_k(DEFAULT_TOPK_FRACTION)
 # Per-tensor protobuf framing (tags, lengths, codec, shape, crc) stays far below this.
 _FRAMING_BYTES_PER_TENSOR = 64
 
 
-def encode_fragment(tensors: Sequence[torch.Tensor], codec: str | int) -> bytes:
-    """Serialize the tensors of one fragment with `codec`; raises ValueError on non-finite
-    values."""
+def encode_fragment(
+    tensors: Sequence[torch.Tensor], codec: str | int, sparse_k: int = DEFAULT_SPARSE_K
+) -> bytes:
+    """Serialize the tensors of one fragment with `codec` (a sparse one keeping `sparse_k`
+    values per chunk, without error feedback: common.sparse.fragment_with_feedback keeps the
+    residual); raises ValueError on non-finite values."""
     codec = codec_id(codec) if isinstance(codec, str) else codec
+    if codec in SPARSE_CODECS:
+        residuals = [torch.zeros(t.shape, device=t.device) for t in tensors]
+        return fragment_with_feedback(tensors, codec, sparse_k, residuals)
     encoded = [(codec, t.shape, *encode_values(t, codec)) for t in tensors]
     return b"".join(fragment_parts(encoded))
 
@@ -99,13 +109,15 @@ def apply_updates(params: Sequence[torch.Tensor], data: bytes, have_version: int
 
     Every update is decoded and checked before the first one is applied, so a bad chain
     leaves the replica untouched. The additions are the server's own (θ += decode(update)).
+    Sparse updates are checked whole by the parser and expanded to float32 one at a time as
+    they are added, so a long chain costs its kept entries, not a model copy per update.
     """
     shapes = [tuple(p.shape) for p in params]
-    decoded = [
-        [decode_values(t) for t in check_fragment(update, shapes)]
+    checked = [
+        [t if t.entries is not None else decode_values(t) for t in check_fragment(update, shapes)]
         for update in parse_updates(data, have_version)
     ]
-    for update in decoded:
+    for update in checked:
         for p, q in zip(params, update, strict=True):
-            p.add_(q)
-    return have_version + len(decoded)
+            p.add_(decode_values(q) if isinstance(q, WireTensor) else q)
+    return have_version + len(checked)

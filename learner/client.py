@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from common.codec import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import create_channel
@@ -46,7 +47,7 @@ class AggregatorClient:
         request = pb.JoinRequest(
             learner_id=learner_id,
             fingerprint=fingerprint,
-            codecs=[pb.CODEC_FP32, pb.CODEC_BF16, pb.CODEC_FP4_E2M1, pb.CODEC_FP4_E3M0],
+            codecs=list(CODECS.values()),
         )
         return self._unary(self._stub.Join, request)
 

@@ -21,6 +21,7 @@ import torch
 
 from common.codec import CODECS
 from common.metrics_http import check_listen
+from common.sparse import DEFAULT_TOPK_FRACTION
 from learner.model import GPTConfig
 
 
@@ -77,7 +78,10 @@ class SyncConfig:
     merge_alpha: float = 0.5
     """α in θ ← α·θ_local + (1−α)·θ_global at the merge (0: take the global value)."""
     push_codec: str = "fp4_e2m1"
-    """Codec of the pushed pseudo-gradients: fp4_e2m1, fp4_e3m0, bf16 or fp32."""
+    """Codec of the pushed pseudo-gradients: fp4_e2m1, fp4_e3m0, bf16, fp32, or the top-k
+    sparse sparse_2bit or sparse_fp4 (with error feedback; common/sparse.py)."""
+    push_topk_fraction: float = DEFAULT_TOPK_FRACTION
+    """Sparse push codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
     dynamic_local_updates: bool = False
     """quorum/async: a learner k times slower than the live learners' median step time
     advances its schedule k steps per inner step, so it syncs after k times fewer steps of
@@ -93,6 +97,8 @@ class SyncConfig:
             raise ValueError(
                 f"push_codec must be one of {', '.join(CODECS)}, got {self.push_codec!r}"
             )
+        if not 0 < self.push_topk_fraction <= 1:
+            raise ValueError(f"push_topk_fraction must be in (0, 1], got {self.push_topk_fraction}")
         if self.sync_every_steps < 1:
             raise ValueError(f"sync_every_steps must be >= 1, got {self.sync_every_steps}")
         if not 0 <= self.merge_alpha <= 1:

@@ -231,6 +231,7 @@ class SyncSession:
             tokens_per_step=self.tokens_per_step,
             blocking=blocking,
             start_step=self.progress.inner_steps,  # push_phase counts inner steps
+            push_topk_fraction=cfg.push_topk_fraction,
         )
         for replica in replicas:
             if replica.fragment_id not in kept:

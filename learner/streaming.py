@@ -22,7 +22,10 @@ from typing import Any, Protocol
 
 import torch
 
+from common.codec import codec_id
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.sparse import DEFAULT_TOPK_FRACTION, fragment_with_feedback, topk_k
+from common.sparse_wire import SPARSE_CODECS
 from common.wire import apply_updates, decode_fragment, encode_fragment, params_crc32
 
 
@@ -169,9 +172,11 @@ class StreamingSync:
         tokens_per_step: int = 0,
         blocking: bool = True,
         start_step: int = 0,
+        push_topk_fraction: float = DEFAULT_TOPK_FRACTION,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
-        Otherwise (quorum, async) keep training and merge on arrival."""
+        Otherwise (quorum, async) keep training and merge on arrival. A sparse `push_codec`
+        keeps `push_topk_fraction` of every chunk and feeds back what it leaves out."""
         if not 0 <= merge_alpha <= 1:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
         self.params = list(params)
@@ -179,6 +184,10 @@ class StreamingSync:
         self.schedule = schedule
         self.transport = transport
         self.push_codec = push_codec
+        self.push_sparse_k = topk_k(push_topk_fraction)
+        # Sparse pushes: per fragment, what earlier pushes left out (error feedback). Held
+        # for the learner's life; a restarted learner starts again from zeros.
+        self.push_residuals: dict[int, list[torch.Tensor]] = {}
         self.merge_alpha = merge_alpha
         self.tokens_per_step = tokens_per_step
         self.blocking = blocking
@@ -213,7 +222,7 @@ class StreamingSync:
                 deltas = [
                     g.to(x.device) - x.detach() for g, x in zip(replica.params, local, strict=True)
                 ]
-            payload = encode_fragment(deltas, self.push_codec)
+            payload = self._encode_push(p, deltas)
             clock = step if inner_step is None else inner_step
             steps = clock - self._last_push_step[p]
             self._last_push_step[p] = clock
@@ -222,6 +231,15 @@ class StreamingSync:
             )
             self._in_flight[p] = (handle, len(payload), step + self.schedule.overlap_steps)
             self.stats.push_bytes += len(payload)
+
+    def _encode_push(self, fragment: int, deltas: list[torch.Tensor]) -> bytes:
+        """The push's payload; a sparse codec sends deltas + residual and keeps the rest."""
+        if codec_id(self.push_codec) not in SPARSE_CODECS:
+            return encode_fragment(deltas, self.push_codec)
+        if fragment not in self.push_residuals:
+            self.push_residuals[fragment] = [torch.zeros_like(d) for d in deltas]
+        residuals = self.push_residuals[fragment]
+        return fragment_with_feedback(deltas, self.push_codec, self.push_sparse_k, residuals)
 
     def merge_phase(self, step: int) -> list[int]:
         """Merge the fragments due after this step; wait for one that is not back only in

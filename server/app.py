@@ -1,5 +1,5 @@
 """The running aggregator service: gRPC server, servicer, health, reflection (when on) and
-lease reaper.
+the reaper that expires leases and cuts overdue streams.
 
     config = build_config(ServerConfig, {"listen": "127.0.0.1:0", "insecure": True})
     service = AggregatorService(config)
@@ -24,6 +24,7 @@ from common.rpc import SERVICE_NAME, create_server
 from server.aggregator import Aggregator
 from server.auth import TokenAuth
 from server.config import ServerConfig
+from server.deadlines import StreamDeadlines
 from server.inflight import InFlightLimit
 from server.metrics import ServerMetrics
 from server.ratelimit import RateLimit
@@ -57,14 +58,24 @@ class AggregatorService:
         self.in_flight = (
             InFlightLimit(limits.max_calls_in_flight) if limits.max_calls_in_flight > 0 else None
         )
-        # Authentication first: the limits then key on verified learner ids.
-        chain = (self.auth, self.rate_limit, self.in_flight)
-        interceptors = tuple(i for i in chain if i is not None)
+        self.deadlines = (
+            StreamDeadlines(limits.stream_idle_timeout_s, limits.stream_min_bytes_per_s)
+            if limits.stream_idle_timeout_s > 0
+            else None
+        )
+        # Authentication first: the limits then key on verified learner ids. Deadlines last:
+        # they watch the handler's own waits on its peer.
+        chain = (self.auth, self.rate_limit, self.in_flight, self.deadlines)
         self._server, self.port = create_server(
-            network.listen, network.credentials(), interceptors=interceptors
+            network.listen,
+            network.credentials(),
+            max_workers=limits.worker_threads,
+            interceptors=tuple(i for i in chain if i is not None),
+            max_concurrent_streams=limits.max_concurrent_streams,
         )
         self.servicer = AggregatorServicer(self.aggregator)
         self.metrics.watch(self.aggregator, self.servicer, self.rate_limit, self.in_flight)
+        self.metrics.watch_cuts(self.deadlines, self.auth)
         pb_grpc.add_AggregatorServicer_to_server(self.servicer, self._server)
         if network.reflection:
             reflection.enable_server_reflection(
@@ -101,9 +112,12 @@ class AggregatorService:
         log.info("stopped")
 
     def _expire_leases(self) -> None:
-        # Often enough for grace windows; a dead learner is dropped within a lease and a tick.
+        # Often enough for grace windows; a dead learner is dropped within a lease and a tick,
+        # a stream past its deadline is cut within a tick.
         while not self._stopping.wait(min(self.config.membership.lease_s / 4, TICK_S)):
-            try:
-                self.aggregator.tick()
-            except Exception:  # noqa: BLE001 - leases must keep expiring whatever happened
-                log.exception("tick failed; trying again at the next one")
+            chores = (self.aggregator.tick, self.deadlines.sweep if self.deadlines else None)
+            for chore in filter(None, chores):
+                try:
+                    chore()
+                except Exception:  # noqa: BLE001 - leases must keep expiring whatever happened
+                    log.exception("tick failed; trying again at the next one")

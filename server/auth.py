@@ -8,8 +8,10 @@ hash of each token, never the token. Learners send `x-diloco-learner-id` and
 `authorization: Bearer TOKEN` metadata on every call. The server's interceptor refuses any
 call (health checks are exempt; reflection, when on, is not) whose token does not match the
 learner id, with UNAUTHENTICATED, and makes the verified id available to the servicer, which
-refuses with PERMISSION_DENIED a call that acts for another learner's session. Tokens are
-random 256-bit secrets, so one round of salted SHA-256 is enough (no password stretching).
+refuses with PERMISSION_DENIED a call that acts for another learner's session. A reload that
+removes or replaces a learner's token ends the calls open under the old one (a long-poll, a
+push) with UNAUTHENTICATED. Tokens are random 256-bit secrets, so one round of salted SHA-256
+is enough (no password stretching).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import grpc
 
 from common.atomic import atomic_write
 from common.rpc import LEARNER_ID_HEADER
+from server.calls import OpenCalls
 
 # The one service open to any caller and exempt from limits: orchestrators probe without tokens.
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
@@ -68,27 +71,39 @@ def parse_token_file(path: str) -> dict[str, str]:
 
 
 class TokenAuth(grpc.ServerInterceptor):
-    """Checks the token of every call but health checks; reload() re-reads the file."""
+    """Checks the token of every call but health checks; reload() re-reads the file and
+    ends the calls of revoked tokens."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
         self._entries = parse_token_file(path)
+        self._calls = OpenCalls()
+        self.revoked_calls = 0  # calls ended by a reload, for metrics
 
     def reload(self) -> int:
-        """Re-read the token file; a bad file keeps the old tokens. Returns the count."""
+        """Re-read the token file; a bad file keeps the old tokens. Calls open under a token
+        that is gone or replaced are ended. Returns the count of tokens."""
         entries = parse_token_file(self.path)
         with self._lock:
+            revoked = [(lid, old) for lid, old in self._entries.items() if entries.get(lid) != old]
             self._entries = entries
+        for learner_id, old in revoked:
+            reason = f"the token of learner {learner_id} was revoked"
+            code = grpc.StatusCode.UNAUTHENTICATED
+            ended = self._calls.cancel(f"{learner_id} {old}", code, reason)
+            with self._lock:
+                self.revoked_calls += ended
         return len(entries)
 
-    def verify(self, learner_id: str, token: str) -> bool:
+    def verify(self, learner_id: str, token: str) -> str | None:
+        """The stored hash `token` matches for `learner_id`; None when it matches none."""
         with self._lock:
             stored = self._entries.get(learner_id)
         if stored is None:
-            return False
+            return None
         _, salt, _ = stored.split("$")
-        return hmac.compare_digest(hash_token(token, salt), stored)
+        return stored if hmac.compare_digest(hash_token(token, salt), stored) else None
 
     def intercept_service(self, continuation: Callable, handler_call_details):
         handler = continuation(handler_call_details)
@@ -98,9 +113,27 @@ class TokenAuth(grpc.ServerInterceptor):
         learner_id = metadata.get(LEARNER_ID_HEADER, "")
         bearer = metadata.get("authorization", "")
         token = bearer.removeprefix("Bearer ") if bearer.startswith("Bearer ") else ""
-        if not (learner_id and token and self.verify(learner_id, token)):
+        stored = self.verify(learner_id, token) if learner_id and token else None
+        if stored is None:
             return _refuse(handler, "missing or invalid learner token")
-        return _as_learner(handler, learner_id)
+        return around_calls(handler, lambda context: self._enter(context, learner_id, stored))
+
+    def _enter(self, context, learner_id: str, stored: str) -> Callable[[], None]:
+        """Run the call as `learner_id`, tracked so that revoking its token ends it."""
+        release = self._calls.add(f"{learner_id} {stored}", context)
+        with self._lock:
+            current = self._entries.get(learner_id)
+        if current != stored:  # revoked between the check and now: reload() missed it
+            release()
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid learner token")
+        token = _authenticated.set(learner_id)
+
+        def leave() -> None:
+            release()
+            with contextlib.suppress(ValueError):  # a stream closed from another context
+                _authenticated.reset(token)
+
+        return leave
 
 
 def _refuse(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandler:
@@ -108,19 +141,6 @@ def _refuse(handler: grpc.RpcMethodHandler, reason: str) -> grpc.RpcMethodHandle
         context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
 
     return replace_behavior(handler, lambda _: abort)
-
-
-def _as_learner(handler: grpc.RpcMethodHandler, learner_id: str) -> grpc.RpcMethodHandler:
-    def enter(context) -> Callable[[], None]:
-        token = _authenticated.set(learner_id)
-
-        def leave() -> None:
-            with contextlib.suppress(ValueError):  # a stream closed from another context
-                _authenticated.reset(token)
-
-        return leave
-
-    return around_calls(handler, enter)
 
 
 def around_calls(handler: grpc.RpcMethodHandler, enter: Callable) -> grpc.RpcMethodHandler:

@@ -22,6 +22,7 @@ from common.codec import CODECS
 from common.config import build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
+from common.sparse import DEFAULT_TOPK_FRACTION
 from common.tls import server_credentials
 from server.policy import MODES, WEIGHTINGS
 
@@ -135,7 +136,10 @@ class StreamingConfig:
     layout: str = "strided"
     """How parameters are split: strided, sequential or balanced (common/fragments.py)."""
     pull_codec: str = "fp4_e2m1"
-    """Codec of the outer updates learners pull (with error feedback); fp32 pulls snapshots."""
+    """Codec of the outer updates learners pull (with error feedback): fp4_e2m1, fp4_e3m0,
+    the top-k sparse sparse_2bit or sparse_fp4; fp32 pulls snapshots."""
+    pull_topk_fraction: float = DEFAULT_TOPK_FRACTION
+    """Sparse pull codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
     update_log_versions: int = 16
     """Quantized updates kept per fragment; a learner further behind gets a snapshot."""
 
@@ -146,8 +150,11 @@ class StreamingConfig:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.pull_codec not in CODECS or self.pull_codec == "bf16":
             raise ValueError(
-                f"pull_codec must be fp32, fp4_e2m1 or fp4_e3m0, got {self.pull_codec!r}"
+                f"pull_codec must be fp32, fp4_e2m1, fp4_e3m0, sparse_2bit or sparse_fp4, "
+                f"got {self.pull_codec!r}"
             )
+        if not 0 < self.pull_topk_fraction <= 1:
+            raise ValueError(f"pull_topk_fraction must be in (0, 1], got {self.pull_topk_fraction}")
         if self.update_log_versions < 1:
             raise ValueError(f"update_log_versions must be >= 1, got {self.update_log_versions}")
 
@@ -249,7 +256,8 @@ class NetworkConfig:
 
 @dataclass(kw_only=True)
 class LimitsConfig:
-    """Per-learner call rate and concurrency limits (server/ratelimit.py, server/inflight.py)."""
+    """Per-learner call rate and concurrency limits, worker threads and deadlines for
+    streams (server/ratelimit.py, server/inflight.py, server/deadlines.py)."""
 
     rate_limit_calls_per_s: float = 100.0
     """Each learner may make this many calls per second on average (0: no limit); a
@@ -258,14 +266,33 @@ class LimitsConfig:
     """Calls a learner may make at once before rate_limit_calls_per_s applies."""
     max_calls_in_flight: int = 16
     """Calls one learner may have open at the same time (0: no limit). Each open call holds
-    one of the server's 256 worker threads (a long-poll for up to a minute), so this stops a
+    one of the server's worker threads (a long-poll for up to a minute), so this stops a
     few learners from starving the rest; our learners have at most three open at once."""
+    worker_threads: int = 256
+    """Threads that run calls; every open call holds one. Sized for a few hundred learners."""
+    max_concurrent_streams: int = 100
+    """Calls one connection may have open at once (HTTP/2 max concurrent streams). A gRPC
+    client queues calls beyond it until one ends; a learner needs a handful."""
+    stream_idle_timeout_s: float = 30.0
+    """End a streaming call whose peer makes no progress for this long: a push with no next
+    chunk, a pull whose reader stopped reading (server/deadlines.py); 0: off."""
+    stream_min_bytes_per_s: float = 131072.0
+    """A push or pull must end within stream_idle_timeout_s + its payload bytes / this rate
+    (128 KiB/s: a 1 Mbit/s link); 0: no bound on the whole stream."""
 
     def __post_init__(self) -> None:
         if not self.rate_limit_calls_per_s >= 0 or self.rate_limit_burst < 1:
             raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
         if self.max_calls_in_flight < 0:
             raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
+        if self.worker_threads < 1 or self.max_concurrent_streams < 1:
+            raise ValueError("worker_threads and max_concurrent_streams must be >= 1")
+        if not self.stream_idle_timeout_s >= 0 or not self.stream_min_bytes_per_s >= 0:
+            raise ValueError("stream_idle_timeout_s and stream_min_bytes_per_s must be >= 0")
+        if self.stream_min_bytes_per_s and not self.stream_idle_timeout_s:
+            raise ValueError(
+                "stream_min_bytes_per_s needs stream_idle_timeout_s > 0 (its grace period)"
+            )
 
 
 @dataclass(kw_only=True)

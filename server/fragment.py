@@ -1,8 +1,8 @@
 """One fragment's global state: parameters, version, outer optimizer, open round, update log.
 
-With a 4-bit pull codec the server applies each outer update as θ ← θ + Q(u + e), where u is
-the Nesterov update, Q the codec's quantize-dequantize and e the residual of earlier updates
-(error feedback), and keeps Q(u + e) in a bounded log. A learner at version v pulls
+With a 4-bit or sparse pull codec the server applies each outer update as θ ← θ + Q(u + e),
+where u is the Nesterov update, Q the codec's quantize-dequantize and e the residual of
+earlier updates (error feedback), and keeps Q(u + e) in a bounded log. A learner at version v pulls
 Q(u_v) … Q(u_now−1), adds them in order, and ends bit-identical to the server: both sides do
 the same float32 additions of the same decoded tensors. With `fp32` pulls the step is exactly
 torch.optim.SGD's and learners pull full snapshots.
@@ -10,7 +10,7 @@ torch.optim.SGD's and learners pull full snapshots.
 Memory (tests/unit/test_fragment_memory.py counts it): a fragment holds four fp32 copies
 of itself — parameters, outer momentum, error-feedback residual and the round's sum
 (reused from round to round) — three with fp32 pulls, one more in async mode (Delayed
-Nesterov's pending sum); plus the log of 4-bit updates, at most a snapshot's bytes. The
+Nesterov's pending sum); plus the log of encoded updates, at most a snapshot's bytes. The
 outer step works a chunk at a time; a snapshot is the parameters' bytes read in place, copied
 only if a pull still streams it when the next step changes them.
 """
@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.codec import FP4_BLOCK, codec_id, dequantize_fp4, quantize_fp4
-from common.fragment_wire import chain_parts, encoded_sizes, fragment_parts, parse_fragment
+from common.codec import codec_id
+from common.fragment_wire import chain_parts, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import params_crc32
+from common.wire import DEFAULT_SPARSE_K, params_crc32
 from server.ingest import DenseBody, PushBody
 from server.outer import OuterOptimizer
+from server.pull_encoder import UpdateEncoder
 from server.pull_parts import TensorBytes, snapshot_parts
 
 
@@ -95,12 +96,14 @@ class FragmentState:
         outer: OuterOptimizer,
         pull_codec: str,
         update_log_versions: int,
+        pull_sparse_k: int = DEFAULT_SPARSE_K,
     ) -> None:
         self.fragment_id = fragment_id
         self.param_indices = param_indices
         self.shapes = shapes
         self.outer = outer
         self.pull_codec = codec_id(pull_codec)
+        self.pull_sparse_k = pull_sparse_k  # values kept per chunk by a sparse pull codec
         self.params: list[torch.Tensor] | None = None
         self.version = -1
         self.round = Round()
@@ -250,19 +253,18 @@ class FragmentState:
 
     def _apply_quantized(self, mean: list[torch.Tensor]) -> None:
         """θ += Q(u + e), e ← (u + e) − Q(u + e), a chunk of the outer update u at a time, and
-        log Q(u + e) as a serialized EncodedFragment (the wire format's writer,
-        common/fragment_wire.py). Element-wise the same operations as on whole tensors (and
-        the same bytes as common.wire.encode_fragment), without any float32
-        temporary of the model's size: the server's memory stays at parameters, momentum,
-        residual and the round's sum (tests/unit/test_fragment_memory.py)."""
+        log Q(u + e) as a serialized EncodedFragment (server/pull_encoder.py). Element-wise
+        the same operations as on whole tensors (and the same bytes as
+        common.wire.encode_fragment), without any float32 temporary of the model's size: the
+        server's memory stays at parameters, momentum, residual and the round's sum
+        (tests/unit/test_fragment_memory.py). With a sparse codec Q keeps the top k of every
+        chunk and e holds all the rest, so the served parameters are exactly the sum of the
+        decoded updates learners add, and e is what they have not been sent yet."""
         assert self.params is not None
         first = self._residual is None
         if first:
             self._residual = [torch.empty(shape, dtype=torch.float32) for shape in self.shapes]
-        codes = [torch.empty(encoded_sizes(self.pull_codec, p.numel())[0], dtype=torch.uint8)
-                 for p in self.params]  # fmt: skip
-        scales = [torch.empty(encoded_sizes(self.pull_codec, p.numel())[1], dtype=torch.uint8)
-                  for p in self.params]  # fmt: skip
+        encoder = UpdateEncoder(self.pull_codec, self.shapes, self.pull_sparse_k)
         for i, start, u in self.outer.update_chunks(mean):
             stop = start + u.numel()
             residual = self._residual[i].view(-1)[start:stop]
@@ -270,23 +272,11 @@ class FragmentState:
                 u.add_(residual)
             if not bool(torch.isfinite(u).all()):
                 raise ValueError("cannot encode a tensor with NaN or infinite values")
-            packed, scale_bytes = quantize_fp4(u, self.pull_codec)
-            quantized = dequantize_fp4(packed, scale_bytes, u.numel(), self.pull_codec)
+            quantized = encoder.add(i, start, u)
             torch.sub(u, quantized, out=residual)
             # The same float32 addition every learner does (common.wire.apply_updates).
             self.params[i].view(-1)[start:stop].add_(quantized)
-            codes[i][start // 2 : start // 2 + packed.numel()] = packed
-            first_block = start // FP4_BLOCK
-            scales[i][first_block : first_block + scale_bytes.numel()] = scale_bytes
-        tensors = zip(self.shapes, codes, scales, strict=True)
-        self._log_update(
-            b"".join(
-                fragment_parts(
-                    (self.pull_codec, shape, memoryview(c.numpy()), memoryview(s.numpy()))
-                    for shape, c, s in tensors
-                )
-            )
-        )
+        self._log_update(encoder.serialized())
 
     def _log_update(self, data: bytes) -> None:
         """Keep the quantized update; drop the oldest ones beyond `update_log_versions` or

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.fragments import layout_fragments
+from common.sparse import topk_k
 from server.config import ShardingConfig, StreamingConfig
 from server.fragment import FragmentState
 from server.outer import OuterOptimizer
@@ -110,6 +111,7 @@ class GlobalParams:
                 shapes=[specs[i].shape for i in indices],
                 outer=self._new_outer(),
                 pull_codec=cfg.pull_codec,
+                pull_sparse_k=topk_k(cfg.pull_topk_fraction),
                 update_log_versions=cfg.update_log_versions,
             )
             for fid, indices in enumerate(groups)

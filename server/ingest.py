@@ -26,7 +26,9 @@ neither mode matches, or there is no kernel (DILOCO_FP4_KERNEL=torch), the torch
 runs. The kernel's norm sums the squares exactly per scale (in integers), so it can differ
 from the torch path's float64 dot product in the last bits; max |value| is exact.
 
-Other codecs (and the torch path) decode `CHUNK_VALUES` at a time: a chunk of float32 stays
+Sparse pushes were decoded by the parser into their kept entries (a fraction of the values,
+in proportion to the payload): the norm reads those, and the add scatters them into a zeroed
+chunk. Other codecs (and the torch path) decode `CHUNK_VALUES` at a time: a chunk of float32 stays
 in the CPU cache between the decode and the add, so the second decode costs less than the
 memory traffic of a full copy.
 
@@ -72,6 +74,12 @@ class _Scratch:
         """Values [start, stop) of `t` as float32 (start a multiple of CHUNK_VALUES); valid
         until the next call. Raises InvalidArgument for a value that is not finite."""
         n = stop - start
+        if t.entries is not None:  # sparse: zeros but for the kept entries in the range
+            values = self.raw[: 4 * n].view(torch.float32).zero_()
+            positions, kept = t.entries
+            first, last = torch.searchsorted(positions, torch.tensor([start, stop])).tolist()
+            values[positions[first:last] - start] = kept[first:last]
+            return values  # the parser checked the kept values are finite
         if t.codec == pb.CODEC_FP32:
             self._copy(self._raw_np, t.payload, 4 * start, 4 * n)
             values = self.raw[: 4 * n].view(torch.float32)
@@ -182,6 +190,11 @@ def _value_stats(
         if status > 0:
             raise InvalidArgument(NOT_FINITE)
         return squares, max_abs
+    if t.entries is not None:  # sparse: only the kept values count
+        kept = t.entries[1]
+        if not kept.numel():
+            return 0.0, 0.0
+        return float(kept.double().square().sum()), float(kept.abs().max())
     squares, max_abs = 0.0, 0.0
     for start, stop in _spans(t.numel):
         values = scratch.chunk(t, start, stop)

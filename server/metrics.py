@@ -19,6 +19,8 @@ from prometheus_client.registry import Collector
 
 from common.traffic import NO_FRAGMENT
 from server.aggregator import Aggregator
+from server.auth import TokenAuth
+from server.deadlines import StreamDeadlines
 from server.events import AggregatorEvents
 from server.inflight import InFlightLimit
 from server.policy import staleness_discount
@@ -82,6 +84,10 @@ class ServerMetrics(AggregatorEvents):
         """Export the aggregator's and servicer's current state at every scrape."""
         self.registry.register(_StateCollector(aggregator, servicer, rate_limit))
         self.registry.register(_CallsCollector(servicer, in_flight))
+
+    def watch_cuts(self, deadlines: StreamDeadlines | None, auth: TokenAuth | None) -> None:
+        """Export the calls the server ended itself, by reason."""
+        self.registry.register(_CutsCollector(deadlines, auth))
 
     # -- AggregatorEvents -------------------------------------------------------------------
 
@@ -184,3 +190,25 @@ class _CallsCollector(Collector):
             for method, count in sorted(self.in_flight.refused_counts().items()):
                 refused.add_metric([method], count)
         yield refused
+
+
+class _CutsCollector(Collector):
+    """Calls the server ended itself: streams past their deadline, calls of revoked tokens."""
+
+    def __init__(self, deadlines: StreamDeadlines | None, auth: TokenAuth | None) -> None:
+        self.deadlines, self.auth = deadlines, auth
+
+    def collect(self) -> Iterator:
+        cut = CounterMetricFamily(
+            "diloco_server_cut_calls",
+            "Calls the server ended, by reason: idle (no progress from the peer for "
+            "stream_idle_timeout_s), slow (a stream past its stream_min_bytes_per_s bound), "
+            "revoked (its learner's token was revoked).",
+            labels=["reason"],
+        )
+        counts = self.deadlines.cut_counts() if self.deadlines is not None else {}
+        if self.auth is not None:
+            counts["revoked"] = self.auth.revoked_calls
+        for reason, count in sorted(counts.items()):
+            cut.add_metric([reason], count)
+        yield cut

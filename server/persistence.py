@@ -9,7 +9,8 @@
     state_dir/snapshot.pt   torch.save of the whole aggregator state, replaced atomically
                             (write a temp file, fsync, rename, fsync the directory):
                             {"fingerprint": [(name, shape, dtype)], "layout": {fragments,
-                            layout, mode, pull_codec}, "fragments": [FragmentState.state_dict()]}
+                            layout, mode, pull_codec[, pull_topk_fraction]},
+                            "fragments": [FragmentState.state_dict()]}
     state_dir/updates.log   one record per closed round since that snapshot:
                             magic "DLR2" | payload length (u64) | crc32 (u32) | payload
                             payload = meta length (u32) | meta (JSON: fragment, version,
@@ -48,7 +49,9 @@ import torch
 
 from common.atomic import atomic_write
 from common.checksum import crc32
+from common.codec import codec_id
 from common.errors import NotFound
+from common.sparse_wire import SPARSE_CODECS
 from server.config import PersistenceConfig, ShardingConfig, StreamingConfig
 from server.events import AggregatorEvents
 from server.fragment import FragmentState
@@ -86,15 +89,19 @@ def state_identity(
 ) -> dict:
     """The settings a state dir is bound to: a dir written with others is refused, since its
     fragments, codec state and outer optimizer would not fit (a shard's index and the
-    shard count too, server/sharding.py)."""
+    shard count too, server/sharding.py; a sparse pull codec's kept fraction too: replaying
+    the log with another would not rebuild the served replicas)."""
     sharding = sharding or ShardingConfig()
-    return {
+    identity = {
         "fragments": streaming.fragments,
         "layout": streaming.layout,
         "mode": mode,
         "pull_codec": streaming.pull_codec,
         **shard_identity(sharding.shard_index, sharding.shard_count),
     }
+    if codec_id(streaming.pull_codec) in SPARSE_CODECS:
+        identity["pull_topk_fraction"] = streaming.pull_topk_fraction
+    return identity
 
 
 class Persistence:

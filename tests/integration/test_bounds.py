@@ -1,24 +1,29 @@
 """Bounds on what hostile or careless callers can hold on a real server: reflection off by
-default and behind tokens, abandoned long-polls free their worker, calls open per learner."""
+default and behind tokens, abandoned long-polls free their worker, calls open per learner,
+silent streams cut, streams per connection, calls of a revoked token ended."""
 
 from __future__ import annotations
 
+import math
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import wait_until
 from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME, create_channel
-from common.wire import encode_fragment
+from common.wire import chunks, encode_fragment
+from deploy.prometheus_api import scrape
 from server.auth import add_token
-
-SHAPES = [(4,)]
-SPECS = [pb.ParamSpec(name="w", shape=[4], dtype="float32")]
+from tests.support.processes import server_process
 
 
 def list_services(channel: grpc.Channel, metadata=()) -> list[str]:
@@ -52,26 +57,33 @@ def test_reflection_needs_a_token_when_auth_is_on(start_service, tmp_path: Path)
         assert SERVICE_NAME in list_services(channel, metadata)
 
 
-def joined_session(stub, learner_id: str, initialize: bool = False) -> str:
-    metadata = ((LEARNER_ID_HEADER, learner_id),)
-    join = stub.Join(pb.JoinRequest(learner_id=learner_id, fingerprint=SPECS), metadata=metadata)
+def joined_session(
+    stub, learner_id: str, initialize: bool = False, metadata=None, size: int = 4
+) -> str:
+    """A session of `learner_id`, whose model is one tensor of `size` floats; with
+    `initialize`, it also sets the global parameters (version 0)."""
+    metadata = metadata or ((LEARNER_ID_HEADER, learner_id),)
+    specs = [pb.ParamSpec(name="w", shape=[size], dtype="float32")]
+    join = stub.Join(pb.JoinRequest(learner_id=learner_id, fingerprint=specs), metadata=metadata)
     if initialize:
         header = pb.PushHeader(
             session_id=join.session_id, kind=pb.PUSH_KIND_INITIAL, base_version=-1
         )
-        payload = encode_fragment([torch.ones(s) for s in SHAPES], "fp32")
+        payload = encode_fragment([torch.ones(size)], "fp32")
         header.payload_bytes = len(payload)
-        messages = [pb.PushFragmentRequest(header=header), pb.PushFragmentRequest(chunk=payload)]
-        stub.PushFragment(iter(messages), metadata=metadata, timeout=10)
+        messages = [pb.PushFragmentRequest(header=header)]
+        messages += [pb.PushFragmentRequest(chunk=piece) for piece in chunks(payload)]
+        stub.PushFragment(iter(messages), metadata=metadata, timeout=60)
     return join.session_id
 
 
-def long_poll(stub, session: str, learner_id: str):
-    """A PullParams waiting for a version that does not come; the call starts at once."""
+def long_poll(stub, session: str, learner_id: str, metadata=None, timeout_s: float = 120):
+    """A PullParams waiting (60 s) for a version that does not come; the call starts at once."""
     request = pb.PullParamsRequest(
         session_id=session, have_version=0, wait_for_version=1, wait_timeout_s=60
     )
-    return stub.PullParams(request, metadata=((LEARNER_ID_HEADER, learner_id),), timeout=120)
+    metadata = metadata or ((LEARNER_ID_HEADER, learner_id),)
+    return stub.PullParams(request, metadata=metadata, timeout=timeout_s)
 
 
 @pytest.fixture
@@ -116,3 +128,160 @@ def test_calls_open_per_learner_are_bounded(server) -> None:
     assert registry.get_sample_value(refused, {"method": "PullParams"}) == 1
     for poll in polls:
         poll.cancel()
+
+
+def test_health_checks_answer_while_every_worker_is_held(start_service) -> None:
+    service = start_service(worker_threads=2, lease_s=60.0)
+    with create_channel(f"127.0.0.1:{service.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        session = joined_session(stub, "a", initialize=True)
+        polls = [long_poll(stub, session, "a") for _ in range(2)]
+        registry = service.metrics.registry
+        waiting = "diloco_server_waiting_pulls"
+        wait_until(lambda: registry.get_sample_value(waiting) == 2, 10, "2 workers held")
+        # Bound: on the learners' pool the check would wait for a poll's 60 s.
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=20).status == 1  # SERVING
+        for poll in polls:
+            poll.cancel()
+
+
+def test_a_pull_whose_reader_stops_reading_is_cut(start_service) -> None:
+    service = start_service(stream_idle_timeout_s=1.0)
+    with create_channel(f"127.0.0.1:{service.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        # 8 MB: more than HTTP/2's window and the transports' buffers take unread.
+        session = joined_session(stub, "a", initialize=True, size=2_000_000)
+        request = pb.PullParamsRequest(session_id=session, have_version=-1)
+        pull = stub.PullParams(request, metadata=((LEARNER_ID_HEADER, "a"),), timeout=60)
+        assert next(pull).header.payload_bytes > 8_000_000
+        registry = service.metrics.registry
+        cut = "diloco_server_cut_calls_total"
+        wait_until(lambda: registry.get_sample_value(cut, {"reason": "idle"}) == 1, 20, "cut")
+        with pytest.raises(grpc.RpcError) as err:
+            list(pull)  # what the transport had taken, then the status
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+# -- against a server process: deadlines for streams, streams per connection, revocation ----
+
+
+def silent_push(session: str, release: threading.Event) -> Iterator[pb.PushFragmentRequest]:
+    """A push that sends its header and then nothing, until `release` (the test's end)."""
+    header = pb.PushHeader(
+        session_id=session, kind=pb.PUSH_KIND_DELTA, base_version=0, payload_bytes=8
+    )
+    yield pb.PushFragmentRequest(header=header)
+    release.wait(60)
+
+
+def metric(server, name: str, **labels: str) -> float:
+    samples = scrape(server.metrics_port())
+    return math.nan if samples is None else samples.value(name, **labels)
+
+
+@pytest.fixture
+def release() -> Iterator[threading.Event]:
+    """Ends the tests' silent request streams on the client side, whatever the outcome."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+def test_silent_pushes_are_cut_and_leases_hold(tmp_path: Path, release) -> None:
+    """Twice as many silent pushes as worker threads: each is cut after the idle timeout,
+    and a learner heartbeating on its own connection meanwhile keeps its lease."""
+    flags = ("--lease-s", "5", "--worker-threads", "4", "--stream-idle-timeout-s", "1")
+    server = server_process(tmp_path, "server", *flags, metrics=True)
+    try:
+        with (
+            create_channel(f"127.0.0.1:{server.port}") as channel,
+            create_channel(f"127.0.0.1:{server.port}") as own,
+        ):
+            stub, good_stub = pb_grpc.AggregatorStub(channel), pb_grpc.AggregatorStub(own)
+            session = joined_session(stub, "a", initialize=True)
+            good = joined_session(good_stub, "b")
+            metadata = ((LEARNER_ID_HEADER, "a"),)
+            pushes = [
+                stub.PushFragment.future(silent_push(session, release), metadata=metadata)
+                for _ in range(8)
+            ]
+            beats = 0
+            # Bounded: the pushes end within seconds; without the cut, never.
+            while not all(p.done() for p in pushes) and beats < 120:
+                heartbeat = pb.HeartbeatRequest(session_id=good)
+                good_stub.Heartbeat(heartbeat, metadata=((LEARNER_ID_HEADER, "b"),), timeout=5)
+                beats += 1
+                release.wait(0.25)  # a learner's heartbeat period
+            for push in pushes:
+                assert push.exception(timeout=1).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert "stream_idle_timeout_s" in push.exception().details()
+            cut = "diloco_server_cut_calls_total"
+            wait_until(lambda: metric(server, cut, reason="idle") == 8, 10, "8 cuts counted")
+            good_stub.Heartbeat(heartbeat, metadata=((LEARNER_ID_HEADER, "b"),), timeout=5)
+    finally:
+        server.stop()
+
+
+def test_streams_per_connection_are_bounded(tmp_path: Path) -> None:
+    """With 4 long-polls open on a connection of a server that allows 4 streams, a fifth call
+    on it waits for one to end; another connection is not affected."""
+    server = server_process(tmp_path, "server", "--max-concurrent-streams", "4", metrics=True)
+    try:
+        with (
+            create_channel(f"127.0.0.1:{server.port}") as channel,
+            create_channel(f"127.0.0.1:{server.port}") as other,
+        ):
+            stub = pb_grpc.AggregatorStub(channel)
+            session = joined_session(stub, "a", initialize=True)
+            polls = [long_poll(stub, session, "a") for _ in range(4)]
+            waiting = "diloco_server_waiting_pulls"
+            wait_until(lambda: metric(server, waiting) == 4, 20, "4 long-polls waiting")
+            heartbeat = pb.HeartbeatRequest(session_id=session)
+            metadata = ((LEARNER_ID_HEADER, "a"),)
+            queued = stub.Heartbeat.future(heartbeat, metadata=metadata, timeout=30)
+            # The other connection answers while the fifth call on the first one waits.
+            pb_grpc.AggregatorStub(other).Heartbeat(heartbeat, metadata=metadata, timeout=10)
+            assert not queued.done()
+            polls[0].cancel()
+            assert queued.result(timeout=20).server_epoch  # it ran once a stream was free
+            for poll in polls[1:]:
+                poll.cancel()
+    finally:
+        server.stop()
+
+
+def test_revoking_a_token_ends_its_open_calls(tmp_path: Path, release) -> None:
+    path = tmp_path / "tokens.txt"
+    tokens = {learner: add_token(str(path), learner) for learner in ("a", "b")}
+    server = server_process(tmp_path, "server", "--auth-token-file", str(path), metrics=True)
+    try:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AggregatorStub(channel)
+            creds = {
+                learner: ((LEARNER_ID_HEADER, learner), ("authorization", f"Bearer {token}"))
+                for learner, token in tokens.items()
+            }
+            a = joined_session(stub, "a", initialize=True, metadata=creds["a"])
+            b = joined_session(stub, "b", metadata=creds["b"])
+            # Bounds: without the revocation the poll waits 60 s, the push 30 s (idle).
+            a_poll = long_poll(stub, a, "a", metadata=creds["a"], timeout_s=20)
+            b_poll = long_poll(stub, b, "b", metadata=creds["b"])
+            a_push = stub.PushFragment.future(silent_push(a, release), metadata=creds["a"])
+            waiting = "diloco_server_waiting_pulls"
+            wait_until(lambda: metric(server, waiting) == 2, 20, "2 long-polls waiting")
+            kept = [line for line in path.read_text().splitlines() if not line.startswith("a ")]
+            path.write_text("\n".join(kept) + "\n")
+            server.signal(signal.SIGHUP)
+            with pytest.raises(grpc.RpcError) as err:
+                list(a_poll)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "revoked" in err.value.details()
+            assert a_push.exception(timeout=20).code() == grpc.StatusCode.UNAUTHENTICATED
+            revoked = "diloco_server_cut_calls_total"
+            wait_until(lambda: metric(server, revoked, reason="revoked") == 2, 10, "2 counted")
+            wait_until(lambda: metric(server, waiting) == 1, 10, "b's long-poll alone")
+            assert b_poll.is_active()
+            b_poll.cancel()
+    finally:
+        server.stop()

@@ -24,8 +24,13 @@ OUTER_STEPS = 4
             {"fragments": 2, "pull_codec": "fp4_e2m1"},
             ["--n-layer", "2", "--overlap-steps", "2", "--merge-alpha", "0.5"],
         ),
+        # Sparse both ways: top-k pushes with error feedback, sparse update-chain pulls.
+        (
+            {"fragments": 2, "pull_codec": "sparse_2bit", "pull_topk_fraction": 1 / 16},
+            ["--n-layer", "2", "--overlap-steps", "1", "--push-codec", "sparse_fp4"],
+        ),
     ],
-    ids=["diloco", "streaming"],
+    ids=["diloco", "streaming", "sparse"],
 )
 def test_two_learners_end_bit_identical_to_the_server(
     start_service, start_learner, tmp_path, server_config, learner_flags

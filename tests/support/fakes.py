@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import grpc
 import torch
+from grpc import _common
 
 from server.global_params import ParamSpec
 
@@ -18,6 +22,25 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+class FakeServicerContext:
+    """What the server's interceptors use of a call's context; records how the call was
+    ended from outside (server/calls.py) as (status code, details)."""
+
+    def __init__(self) -> None:
+        self.ended: list[tuple[grpc.StatusCode, str]] = []
+        self.callbacks: list = []
+        codes = {cy: code for code, cy in _common.STATUS_CODE_TO_CYGRPC_STATUS_CODE.items()}
+        cancel = lambda code, details: self.ended.append((codes[code], details))  # noqa: E731
+        self._rpc_event = SimpleNamespace(call=SimpleNamespace(cancel=cancel))
+
+    def add_callback(self, callback) -> bool:
+        self.callbacks.append(callback)
+        return True
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"aborted: {code.name}: {details}")
 
 
 def tensors(seed: int) -> list[torch.Tensor]:

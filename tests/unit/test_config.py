@@ -86,6 +86,8 @@ def test_the_aggregator_config_is_the_server_config_without_the_service() -> Non
         ("lease_s = \n", {}, "is not valid TOML"),
         ("", {"DILOCO_FRAGMENTS": "many"}, "DILOCO_FRAGMENTS must be an integer, got 'many'"),
         ("lease_s = -1\n", {}, "lease_s must be > 0, got -1.0"),
+        ("stream_idle_timeout_s = 0\n", {}, "stream_min_bytes_per_s needs stream_idle_time"),
+        ("max_concurrent_streams = 0\n", {}, "max_concurrent_streams must be >= 1"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line(

@@ -19,6 +19,7 @@ from common.fragment_wire import (
     tensor_message,
 )
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.sparse_wire import SPARSE_CODECS
 from common.wire import apply_updates, decode_fragment, encode_fragment
 
 
@@ -39,6 +40,8 @@ PINNED = {
     "bf16": (467, 0x7659A861),
     "fp4_e2m1": (170, 0xFD8537DE),
     "fp4_e3m0": (170, 0x2ADCAC87),
+    "sparse_2bit": (96, 0x2AF13444),
+    "sparse_fp4": (88, 0xFC8DEFCA),
 }
 
 
@@ -47,6 +50,13 @@ def test_fragment_bytes_are_pinned_and_protobufs_own(codec: str) -> None:
     tensors = pinned_tensors()
     data = encode_fragment(tensors, codec)
     assert (len(data), zlib.crc32(data)) == PINNED[codec]
+    if CODECS[codec] in SPARSE_CODECS:  # encoded whole fragments only (common/sparse.py)
+        msg = pb.EncodedFragment.FromString(data)
+        assert msg.SerializeToString() == data
+        for t in msg.tensors:
+            k = t.sparse_k.to_bytes(4, "little")
+            assert t.crc32 == zlib.crc32(k, zlib.crc32(t.scales, zlib.crc32(t.payload)))
+        return
     # Protobuf's serialization of the same fields, checksummed here independently.
     messages = []
     for t in tensors:

@@ -17,7 +17,7 @@ from server.ingest import CHUNK_VALUES, DenseBody, IngestSlot, IngestSlots
 
 # One tensor crosses chunk boundaries with an odd tail; one is smaller than a block.
 SHAPES = [(3, CHUNK_VALUES // 2 + 17), (5,), (0, 4)]
-CODECS = ["fp32", "bf16", "fp4_e2m1", "fp4_e3m0"]
+CODECS = ["fp32", "bf16", "fp4_e2m1", "fp4_e3m0", "sparse_2bit", "sparse_fp4"]
 
 
 def deltas(seed: int) -> list[torch.Tensor]:
@@ -46,7 +46,7 @@ def test_sum_from_wire_encoding_is_bit_identical_to_decoded_sum(codec: str) -> N
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("codec", ["fp32", "fp4_e2m1"])
+@pytest.mark.parametrize("codec", ["fp32", "fp4_e2m1", "sparse_2bit"])
 def test_sums_into_a_reused_buffer_and_from_a_released_payload_are_the_same(codec: str) -> None:
     slot, data = IngestSlot(), encode_fragment(deltas(4), codec)
     fresh = slot.parse(data, SHAPES).add_to(None, 0.5)

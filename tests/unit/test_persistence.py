@@ -41,7 +41,7 @@ def state(agg: Aggregator) -> list[list[torch.Tensor]]:
     return [agg.params(fid) for fid in (0, 1)]
 
 
-@pytest.mark.parametrize("pull_codec", ["fp4_e2m1", "fp32"])
+@pytest.mark.parametrize("pull_codec", ["fp4_e2m1", "fp32", "sparse_2bit"])
 @pytest.mark.parametrize("snapshot_every", [1, 4, 100])
 @pytest.mark.parametrize("warmup_rounds", [0, 12])  # 12: killed mid momentum warm-up
 def test_restart_resumes_exactly_where_it_stopped(
@@ -65,8 +65,10 @@ def test_restart_resumes_exactly_where_it_stopped(
     run_rounds(restarted, s2, range(7, 10))
     for a, b in zip(state(agg), state(restarted), strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-    # And pulls of the 4-bit chain still work across the restart.
+    # And pulls of the 4-bit or sparse chain still work across the restart, byte for byte:
+    # learners that pulled from the first server continue bit-identical.
     assert restarted.pull(s2, 0, 8).version == 10
+    assert restarted.pull(s2, 0, 8).payload == agg.pull(s, 0, 8).payload
 
 
 def test_torn_tail_is_dropped_and_the_log_truncated(tmp_path, caplog) -> None:
@@ -100,6 +102,13 @@ def test_state_dir_refuses_other_settings(tmp_path) -> None:
     agg.initialize(s, 0, [torch.ones(8, 4)])
     with pytest.raises(ValueError, match="was written with"):
         Aggregator(aggregator_config(state_dir=str(tmp_path), fragments=1))
+
+
+def test_state_dir_refuses_another_sparse_fraction(tmp_path) -> None:
+    agg, s = start(tmp_path, pull_codec="sparse_2bit", pull_topk_fraction=1 / 64)
+    agg.initialize(s, 0, [torch.ones(8, 4)])
+    with pytest.raises(ValueError, match="pull_topk_fraction"):
+        start(tmp_path, pull_codec="sparse_2bit", pull_topk_fraction=1 / 32)
 
 
 def test_crash_between_snapshot_and_log_reset_replays_nothing_twice(tmp_path) -> None:

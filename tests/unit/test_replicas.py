@@ -1,5 +1,7 @@
-"""4-bit pulls with error feedback: replicas stay bit-identical to the server over many rounds."""
+"""4-bit and sparse pulls with error feedback: replicas stay bit-identical to the server over
+many rounds."""
 
+import pytest
 import torch
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -22,8 +24,9 @@ def random_fragment(shapes, seed: int, scale: float = 1.0) -> list[torch.Tensor]
     return [torch.randn(s, generator=g) * scale for s in shapes]
 
 
-def test_replicas_bit_identical_after_many_rounds_with_several_learners() -> None:
-    agg = Aggregator(aggregator_config(fragments=2, pull_codec="fp4_e2m1", update_log_versions=8))
+@pytest.mark.parametrize("codec", ["fp4_e2m1", "sparse_2bit", "sparse_fp4"])
+def test_replicas_bit_identical_after_many_rounds_with_several_learners(codec: str) -> None:
+    agg = Aggregator(aggregator_config(fragments=2, pull_codec=codec, update_log_versions=8))
     sessions = [agg.join(f"l{i}", SPECS).session_id for i in range(3)]
     shapes = {f: [SPECS[i].shape for i in idx] for f, idx, _ in agg.join("l0", SPECS).fragments}
     sessions[0] = agg.join("l0", SPECS).session_id

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.sparse_wire import kept_total
 from common.wire import decode_fragment, encode_fragment, params_crc32
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync, merge
 
@@ -207,3 +208,46 @@ def test_a_faster_schedule_reports_real_inner_steps() -> None:
         for step in (2 * inner - 1, 2 * inner):
             sync.push_phase(step, inner_step=inner)
     assert transport.log == [("push", 0, 50)]
+
+
+class RecordingTransport:
+    """Keeps every push's decoded pseudo-gradient; the server never moves."""
+
+    def __init__(self, replicas):
+        self.replicas, self.pushed = replicas, []
+
+    def start_sync(self, fragment_id, base_version, payload, tokens, inner_steps):
+        self.pushed.append(decode_fragment(payload, self.replicas[fragment_id].shapes))
+        return PullReply(pb.PULL_KIND_UP_TO_DATE, base_version, b"", 0)
+
+    def finish_sync(self, handle):
+        return handle
+
+    def ready(self, handle):
+        return True
+
+
+def test_sparse_pushes_carry_what_earlier_pushes_left_out() -> None:
+    """Each push sends S(Δ + e) and keeps e ← Δ + e − S(Δ + e): over the pushes, what was sent
+    plus what is held equals the sum of the pseudo-gradients."""
+    shape = (3, 5000)
+    params = [torch.zeros(shape)]
+    replica = FragmentReplica(0, [0], [shape])
+    replica.params, replica.version = [torch.zeros(shape)], 0
+    transport = RecordingTransport([replica])
+    sync = StreamingSync(
+        params, [replica], Schedule(1), transport, "sparse_2bit", merge_alpha=1.0,
+        push_topk_fraction=1 / 32,
+    )  # fmt: skip
+    total = torch.zeros(shape, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(1, 6):
+        with torch.no_grad():
+            params[0].copy_(torch.randn(shape, generator=gen))  # Δ = 0 − params
+        total -= params[0].double()
+        sync.push_phase(step)
+        sync.merge_phase(step)
+    assert [int((p[0] != 0).sum()) for p in transport.pushed] == [kept_total(15000, 128)] * 5
+    sent = sum(p[0] for p in transport.pushed)
+    (residual,) = sync.push_residuals[0]
+    torch.testing.assert_close((sent + residual).double(), total, atol=1e-4, rtol=0)

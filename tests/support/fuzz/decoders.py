@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from common.codec import decode
+from common.codec import CODECS, decode
 from common.errors import DilocoError, InvalidArgument, ResourceExhausted
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import apply_updates, decode_fragment, encode_fragment
@@ -67,7 +67,7 @@ def _parse_or_empty(data: bytes) -> pb.EncodedFragment:
 @st.composite
 def _mutated_bytes(draw, shapes: list[tuple[int, ...]]) -> bytes:
     """A valid fragment encoding, then truncated, extended or with bytes flipped."""
-    codec = draw(st.sampled_from(["fp32", "bf16", "fp4_e2m1", "fp4_e3m0"]))
+    codec = draw(st.sampled_from(sorted(CODECS)))
     data = bytearray(encode_fragment(small_delta(shapes, draw(st.integers(0, 2**16))), codec))
     for _ in range(draw(st.integers(1, 3))):
         op = draw(st.sampled_from(["flip", "cut", "extend"]))

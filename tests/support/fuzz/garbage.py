@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from common.codec import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.sparse_wire import SPARSE_CODECS, sparse_sizes
 from tests.support.fuzz.strategies import ANY, Call, fuzz_session, serialize, stream, with_crc
 from tests.support.fuzz.world import FINGERPRINT, GOOD, MALLORY, SPECS, World
 
@@ -31,9 +32,12 @@ def random_tensor(draw, shape: tuple[int, ...]) -> pb.EncodedTensor:
     codec = draw(st.one_of(st.sampled_from(sorted(CODECS.values())), st.integers(-3, 9)))
     dims = draw(st.one_of(st.just(list(shape)), st.lists(st.integers(0, 64), max_size=3)))
     numel = int(np.prod(dims)) if dims else 1
+    sparse_k = draw(st.one_of(st.integers(1, 4096), st.integers(0, 2**32 - 1)))
     sizes = {1: (4 * numel, 0), 2: (2 * numel, 0)}.get(
         codec, ((numel + 1) // 2, (numel + 31) // 32)
     )
+    if codec in SPARSE_CODECS and 1 <= sparse_k <= 4096:
+        sizes = sparse_sizes(codec, numel, sparse_k)
     exact = draw(st.booleans())
     payload = draw(
         st.binary(min_size=sizes[0], max_size=sizes[0]) if exact else st.binary(max_size=300)
@@ -45,6 +49,8 @@ def random_tensor(draw, shape: tuple[int, ...]) -> pb.EncodedTensor:
         else draw(st.binary(max_size=12))
     )
     t = pb.EncodedTensor(codec=codec, shape=dims, payload=payload, scales=scales)
+    if codec in SPARSE_CODECS or draw(st.integers(0, 9)) == 0:
+        t.sparse_k = sparse_k
     return with_crc(t) if draw(st.booleans()) else t
 
 

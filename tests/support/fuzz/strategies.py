@@ -32,7 +32,7 @@ scenarios = st.builds(
     Scenario,
     mode=st.sampled_from(["sync", "quorum", "async"]),
     fragments=st.sampled_from([1, 2]),
-    pull_codec=st.sampled_from(["fp4_e2m1", "fp4_e3m0", "fp32"]),
+    pull_codec=st.sampled_from(["fp4_e2m1", "fp4_e3m0", "fp32", "sparse_2bit", "sparse_fp4"]),
     warm=st.booleans(),
     initialized=st.sampled_from([True, True, True, False]),
 )
@@ -53,7 +53,8 @@ def fuzz_session(draw, world: World) -> str:
 
 
 def with_crc(t: pb.EncodedTensor) -> pb.EncodedTensor:
-    t.crc32 = zlib.crc32(t.scales, zlib.crc32(t.payload))
+    crc = zlib.crc32(t.scales, zlib.crc32(t.payload))
+    t.crc32 = zlib.crc32(t.sparse_k.to_bytes(4, "little"), crc) if t.sparse_k else crc
     return t
 
 
@@ -164,6 +165,22 @@ def mutated_push(draw, world: World) -> Call:
         plain = draw(st.sampled_from(["fp32", "bf16"]))  # one codec for the whole fragment
         tensors = [encode(x, plain) for x in small_delta(shapes, seed)]
         _poke_value(draw, tensors[i], value)
+    elif defect == "nan_scale" and draw(st.booleans()):  # sparse: all scale bytes NaN
+        sparse = draw(st.sampled_from(["sparse_2bit", "sparse_fp4"]))
+        tensors = [encode(x, sparse) for x in small_delta(shapes, seed)]
+        tensors[i].scales = b"\xff" * len(tensors[i].scales)
+        with_crc(tensors[i])
+    elif defect == "sparse_index":  # two equal indices, or one past its chunk's end
+        sparse = draw(st.sampled_from(["sparse_2bit", "sparse_fp4"]))
+        tensors = [
+            encode(x, sparse, sparse_k=draw(st.integers(1, 4096)))
+            for x in small_delta(shapes, seed)
+        ]
+        t = tensors[i]
+        a = draw(st.integers(0, 4095))
+        first = bytes([a & 0xFF, (a >> 8) | (a & 0xF) << 4, a >> 4])  # entries 0 and 1 both a
+        t.payload = first + t.payload[3:] if len(t.payload) >= 5 else b"\xff\x0f" + t.payload[2:]
+        with_crc(t)
     elif defect == "nan_scale":
         fp4 = draw(st.sampled_from(["fp4_e2m1", "fp4_e3m0"]))  # one codec for the fragment
         tensors = [encode(x, fp4) for x in small_delta(shapes, seed)]
@@ -223,7 +240,7 @@ DEFECTS = [
     "unknown_fragment", "future_base", "stale_base", "initial_again", "negative_tokens",
     "negative_inner_steps", "zero_tokens_or_steps", "wrong_shape", "wrong_count",
     "mixed_codecs", "unknown_codec", "bad_crc", "nonfinite_value", "huge_value", "nan_scale",
-    "over_limit", "announce_short", "announce_long", "truncated", "byte_flip",
+    "sparse_index", "over_limit", "announce_short", "announce_long", "truncated", "byte_flip",
 ]  # fmt: skip
 
 

@@ -14,6 +14,8 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_BF16: _ClassVar[Codec]
     CODEC_FP4_E2M1: _ClassVar[Codec]
     CODEC_FP4_E3M0: _ClassVar[Codec]
+    CODEC_SPARSE_2BIT: _ClassVar[Codec]
+    CODEC_SPARSE_FP4: _ClassVar[Codec]
 
 class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -32,6 +34,8 @@ CODEC_FP32: Codec
 CODEC_BF16: Codec
 CODEC_FP4_E2M1: Codec
 CODEC_FP4_E3M0: Codec
+CODEC_SPARSE_2BIT: Codec
+CODEC_SPARSE_FP4: Codec
 PUSH_KIND_UNSPECIFIED: PushKind
 PUSH_KIND_DELTA: PushKind
 PUSH_KIND_INITIAL: PushKind
@@ -41,18 +45,20 @@ PULL_KIND_UP_TO_DATE: PullKind
 PULL_KIND_UPDATES: PullKind
 
 class EncodedTensor(_message.Message):
-    __slots__ = ("codec", "shape", "payload", "scales", "crc32")
+    __slots__ = ("codec", "shape", "payload", "scales", "crc32", "sparse_k")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SCALES_FIELD_NUMBER: _ClassVar[int]
     CRC32_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_K_FIELD_NUMBER: _ClassVar[int]
     codec: Codec
     shape: _containers.RepeatedScalarFieldContainer[int]
     payload: bytes
     scales: bytes
     crc32: int
-    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., crc32: _Optional[int] = ...) -> None: ...
+    sparse_k: int
+    def __init__(self, codec: _Optional[_Union[Codec, str]] = ..., shape: _Optional[_Iterable[int]] = ..., payload: _Optional[bytes] = ..., scales: _Optional[bytes] = ..., crc32: _Optional[int] = ..., sparse_k: _Optional[int] = ...) -> None: ...
 
 class EncodedFragment(_message.Message):
     __slots__ = ("tensors",)

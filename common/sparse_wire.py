@@ -1,0 +1,204 @@
+"""The top-k sparse wire format: sizes, bit packing, and the checks and decoding of a payload.
+
+    n_payload, n_scales = sparse_sizes(codec, numel, k)
+    positions, values = sparse_entries(codec, payload, scales, numel, k)  # checked
+
+A sparse tensor is cut, flattened, into chunks of `SPARSE_CHUNK` = 4096 values. Each full
+chunk keeps `k` values (1 <= k <= 4096, the tensor's `sparse_k` field); a last, shorter chunk
+of `n` values keeps ceil(k·n / 4096). The kept entries are listed chunk by chunk, in
+increasing index order within a chunk, so their flat positions increase strictly.
+
+    payload = indices | codes
+      indices: each entry's index within its chunk in 12 bits, two entries in three bytes
+               (a & 0xFF, a >> 8 | (b & 0xF) << 4, b >> 4); an odd count drops the last byte
+      codes:   each entry's value code, 2 bits (4 per byte) or 4 bits (2 per byte), entry 0
+               in the lowest bits; the last byte zero-padded
+    scales  = per chunk, CODEC_SPARSE_2BIT: two bfloat16 magnitudes (lower, upper),
+              little-endian, 4 bytes; CODEC_SPARSE_FP4: one E8M0 byte (2^(byte − 127))
+
+2-bit code: bit 0 picks the upper magnitude, bit 1 is the sign. 4-bit code: E2M1 as in
+common/codec.py (bit 3 the sign, bits 0-2 the magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6) times the
+chunk's scale. With k = 64: 12 + 2 bits per kept value and 32 scale bits per chunk, 0.227 bits
+per parameter (2-bit); 0.252 with 4-bit values.
+
+Why these choices: 12-bit local indices keep every chunk's bytes at a fixed offset (a chunk
+range decodes without reading the rest, and the server encodes a chunk range at a time); the
+entropy of choosing 64 of 4096 is about 7.4 bits per index, so a variable-length code could
+save ~0.07 bits per parameter at the price of sequential decoding. The 2-bit magnitudes are
+order statistics of the kept values (exact, no float sums), so an encoder gives the same
+bytes on every machine and a server's replay from its state dir is bit-identical.
+
+The checks here run before anything is applied (common/fragment_wire.py's check_tensor):
+lengths, scale bytes (no NaN or infinity, no negative magnitude), positions strictly
+increasing and inside the tensor, decoded values finite. Memory is in proportion to the
+payload's length, never to the size a sender claims: the payload must hold 14 or 16 bits
+for every kept entry before an entry is unpacked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from common.errors import InvalidArgument
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+
+SPARSE_CHUNK = 4096
+INDEX_BITS = 12
+SPARSE_CODECS = (pb.CODEC_SPARSE_2BIT, pb.CODEC_SPARSE_FP4)
+VALUE_BITS = {pb.CODEC_SPARSE_2BIT: 2, pb.CODEC_SPARSE_FP4: 4}
+SCALE_BYTES = {pb.CODEC_SPARSE_2BIT: 4, pb.CODEC_SPARSE_FP4: 1}
+# common.codec.FP4_GRIDS's E2M1 magnitudes (that module imports this one).
+E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E8M0_BIAS, E8M0_NAN = 127, 255
+_BF16_EXPONENT, _BF16_SIGN = 0x7F80, 0x8000
+
+
+def kept_counts(numel: int, k: int) -> tuple[int, int, int]:
+    """(full chunks, values of the last short chunk (0: none), entries that chunk keeps)."""
+    full, tail = divmod(numel, SPARSE_CHUNK)
+    return full, tail, (k * tail + SPARSE_CHUNK - 1) // SPARSE_CHUNK
+
+
+def kept_total(numel: int, k: int) -> int:
+    """The number of entries a tensor of `numel` values keeps with `k` per chunk."""
+    full, _, k_tail = kept_counts(numel, k)
+    return full * k + k_tail
+
+
+def sparse_sizes(codec: int, numel: int, k: int) -> tuple[int, int]:
+    """Exact (payload, scales) byte lengths of a sparse tensor."""
+    n = kept_total(numel, k)
+    chunks = (numel + SPARSE_CHUNK - 1) // SPARSE_CHUNK
+    return _index_bytes(n) + _code_bytes(n, VALUE_BITS[codec]), chunks * SCALE_BYTES[codec]
+
+
+def _index_bytes(n: int) -> int:
+    return (3 * n + 1) // 2
+
+
+def _code_bytes(n: int, bits: int) -> int:
+    return (n * bits + 7) // 8
+
+
+def check_k(codec: int, k: int) -> None:
+    """Refuse a `sparse_k` out of range for the codec (0 for dense codecs)."""
+    if codec in SPARSE_CODECS and not 1 <= k <= SPARSE_CHUNK:
+        raise InvalidArgument(f"sparse tensor keeps {k} values per chunk, not in 1..{SPARSE_CHUNK}")
+    if codec not in SPARSE_CODECS and k != 0:
+        raise InvalidArgument(f"sparse_k is {k} on a dense tensor: it must be 0")
+
+
+# ---- Bit packing (any device) ------------------------------------------------------------
+
+
+def pack_indices(local: torch.Tensor) -> torch.Tensor:
+    """12-bit indices (int64, each < 4096) packed two per three bytes (uint8)."""
+    n = local.numel()
+    if n % 2:
+        local = torch.cat([local, local.new_zeros(1)])
+    a, b = local[0::2], local[1::2]
+    packed = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=1)
+    return packed.reshape(-1)[: _index_bytes(n)].to(torch.uint8)
+
+
+def unpack_indices(data: torch.Tensor, n: int) -> torch.Tensor:
+    """The `n` int64 indices of pack_indices' bytes (`data`: uint8, _index_bytes(n) long)."""
+    wide = data.to(torch.int64)
+    if n % 2:
+        wide = torch.cat([wide, wide.new_zeros(1)])
+    triples = wide.view(-1, 3)
+    a = triples[:, 0] | ((triples[:, 1] & 0xF) << 8)
+    b = (triples[:, 1] >> 4) | (triples[:, 2] << 4)
+    return torch.stack([a, b], dim=1).reshape(-1)[:n]
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`bits`-bit codes (uint8) packed 8/bits per byte, entry 0 in the lowest bits."""
+    per = 8 // bits
+    n = codes.numel()
+    padded = torch.zeros(-(-n // per) * per, dtype=torch.uint8, device=codes.device)
+    padded[:n] = codes
+    groups = padded.view(-1, per)
+    out = groups[:, 0].clone()
+    for j in range(1, per):
+        out |= groups[:, j] << (bits * j)
+    return out
+
+
+def unpack_codes(data: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """The `n` codes (uint8) of pack_codes' bytes."""
+    mask = (1 << bits) - 1
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)
+    return ((data.unsqueeze(1) >> shifts) & mask).reshape(-1)[:n]
+
+
+# ---- Checks and decoding -----------------------------------------------------------------
+
+
+def check_scales(codec: int, scales: bytes) -> None:
+    """Refuse a NaN or infinite scale, or a negative 2-bit magnitude."""
+    if codec == pb.CODEC_SPARSE_FP4:
+        if E8M0_NAN in scales:
+            raise InvalidArgument("sparse FP4 chunk scale is NaN (E8M0 byte 255)")
+        return
+    halves = _byte_tensor(scales).view(torch.int16).to(torch.int32) & 0xFFFF
+    if bool(((halves & _BF16_EXPONENT) == _BF16_EXPONENT).any()):
+        raise InvalidArgument("sparse 2-bit chunk magnitude is NaN or infinite")
+    if bool((halves & _BF16_SIGN).any()):
+        raise InvalidArgument("sparse 2-bit chunk magnitude is negative")
+
+
+def sparse_entries(
+    codec: int, payload: bytes, scales: bytes, numel: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions int64, float32 values) of a sparse tensor whose lengths match
+    sparse_sizes; raises InvalidArgument for positions out of order or out of range, or a
+    value that is not finite. Allocates in proportion to the payload's length."""
+    n = kept_total(numel, k)
+    raw = _byte_tensor(payload)
+    split = _index_bytes(n)
+    local = unpack_indices(raw[:split], n)
+    chunk_of = torch.arange(n, dtype=torch.int64) // k
+    positions = chunk_of * SPARSE_CHUNK + local
+    if n and not (bool((positions[1:] > positions[:-1]).all()) and int(positions[-1]) < numel):
+        raise InvalidArgument(
+            "sparse indices must increase strictly within each chunk and stay inside it"
+        )
+    codes = unpack_codes(raw[split:], n, VALUE_BITS[codec])
+    values = decode_codes(codec, codes, scales, chunk_of)
+    if not bool(torch.isfinite(values).all()):
+        raise InvalidArgument("tensor holds NaN or infinite values")
+    return positions, values
+
+
+def decode_codes(
+    codec: int, codes: torch.Tensor, scales: bytes | torch.Tensor, chunk_of: torch.Tensor
+) -> torch.Tensor:
+    """The float32 values of value codes, each in chunk `chunk_of` (same device as codes)."""
+    scale_bytes = scales if isinstance(scales, torch.Tensor) else _byte_tensor(scales)
+    scale_bytes = scale_bytes.to(codes.device)
+    chunk_of = chunk_of.to(codes.device)
+    if codec == pb.CODEC_SPARSE_2BIT:
+        levels = scale_bytes.view(torch.bfloat16).float().view(-1, 2)  # (chunks, lower/upper)
+        magnitudes = levels[chunk_of, (codes & 1).long()]
+        negative = (codes & 2) != 0
+    else:
+        grid = E2M1_GRID.to(codes.device)
+        exps = scale_bytes.to(torch.int32) - E8M0_BIAS
+        magnitudes = torch.ldexp(grid[(codes & 7).long()], exps[chunk_of].float())
+        negative = (codes & 8) != 0
+    return torch.where(negative, -magnitudes, magnitudes)
+
+
+def dense(positions: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    """A float32 tensor of `numel` zeros with `values` at `positions` (values' device)."""
+    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    out[positions.to(values.device)] = values
+    return out
+
+
+def _byte_tensor(data: bytes) -> torch.Tensor:
+    """A uint8 tensor of a copy of `data` (torch.frombuffer refuses an empty buffer)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
