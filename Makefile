@@ -51,7 +51,7 @@ bench-load: $(STAMP)
 	$(BIN)/python bench/load.py
 
 # Aggregator shards (bench/scale.py): 512 M params over 1, 2 and 4 shards, 8 learners, and
-# 64 learners on 128 M params; bench/results/scale.json. `--quick` (8 learners only): < 3 min.
+# 64 learners on 134 M params; bench/results/scale.json. `--quick`: 8 learners, 20 s a run.
 bench-scale: $(STAMP)
 	nice -n 19 $(BIN)/python bench/scale.py
 

@@ -1,7 +1,7 @@
 """Scale benchmark: a 512 M-parameter model over 1, 2 and 4 aggregator shards on loopback.
 
-    python bench/scale.py --quick          # 512 M params, 8 learners, 1/2/4 shards (< 3 min)
-    python bench/scale.py                  # + 64 learners on a 128 M model, 1/2/4 shards
+    python bench/scale.py --quick          # 512 M params, 8 learners, 1/2/4 shards, 20 s each
+    python bench/scale.py                  # + 64 learners on a 134 M model, 1/2/4 shards
 
 Each shard is its own `diloco-server` process (quorum mode, K = half the learners, P = 4
 fragments of two 8192 x 8192 fp32 tensors each, balanced layout, fp4 pulls), so its memory
@@ -356,7 +356,7 @@ def main() -> int:
     parser.add_argument("--quorum", type=int, default=0, help="learners a round needs (0: half)")
     parser.add_argument("--side", type=int, default=8192, help="8 x side^2 params (8192: 512 M)")
     parser.add_argument("--many-learners", type=int, default=64)
-    parser.add_argument("--many-side", type=int, default=4096, help="(4096: 128 M params)")
+    parser.add_argument("--many-side", type=int, default=4096, help="(4096: 134 M params)")
     parser.add_argument("--rss-limit-gb", type=float, default=0.0, help="0: 0.8 x MemAvailable")
     parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     args = parser.parse_args()
