@@ -17,7 +17,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick \
+.PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick bench-quality-sweep \
 	compose-smoke wan-sim bench-decoupled bench-load bench-scale bench bench-quick sim fuzz
 
 install: $(STAMP)
@@ -43,6 +43,11 @@ bench-quality: $(BENCH_STAMP)
 
 bench-quality-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/quality.py --quick
+
+# The learning-rate sweeps behind bench/quality.py's settings, then the 1,000 vs 3,000 step trend.
+bench-quality-sweep: $(BENCH_STAMP)
+	$(BIN)/python bench/quality_sweep.py lr
+	$(BIN)/python bench/quality_sweep.py trend
 
 bench-decoupled: $(BENCH_STAMP)
 	$(BIN)/python bench/decoupled.py

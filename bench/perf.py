@@ -122,7 +122,7 @@ def short_benchmarks() -> dict:
         subprocess.run(
             [sys.executable, "bench/quality.py", "--quick", "--out", tmp], cwd=ROOT, check=True
         )
-        quality = json.loads(Path(tmp, "quality.json").read_text())
+        quality = json.loads(Path(tmp, "quality_quick.json").read_text())
         subprocess.run(
             [sys.executable, "bench/decoupled.py", "--quick", "--out", f"{tmp}/decoupled.json"],
             cwd=ROOT,

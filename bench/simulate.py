@@ -68,6 +68,7 @@ class Variant:
     merge_alpha: float = 0.0
     push_codec: str = "fp32"
     pull_codec: str = "fp32"
+    topk_fraction: float = 0.0  # sparse codecs, both ways (0: the codec's default)
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)
@@ -81,9 +82,14 @@ class Result:
     eval_loss: float
     curve: list[tuple[int, float]] = field(default_factory=list)  # (total tokens, eval loss)
     bytes_per_learner: int = 0  # sent + received, one learner, whole run
+    push_bytes: int = 0  # of those, sent (the learner that moved the most)
+    pull_bytes: int = 0  # and received
+    syncs: int = 0  # full-parameter syncs of one learner (fragment syncs / P; DP: steps)
+    numel: int = 0  # parameters of the model
     peak_sync_bytes: int = 0  # the most one learner moves in one sync event
     blocked_s: float = 0.0
     wall_s: float = 0.0
+    cpu_s: float = 0.0  # this process's CPU time for the run (wall_s grows with the load)
 
 
 class InProcessTransport:
@@ -119,7 +125,7 @@ def load_data(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
     torch.set_num_threads(threads)
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     train, val = load_data(setup)
     eval_set = BatchSampler(val, setup.batch_size, setup.block_size, seed=1234)
     eval_batches = [eval_set.next() for _ in range(setup.eval_batches)]
@@ -130,6 +136,7 @@ def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
     else:
         result = _run_diloco(setup, variant, model, train, eval_batches)
     result.wall_s = time.perf_counter() - started
+    result.cpu_s = time.process_time() - cpu_started
     return result
 
 
@@ -192,7 +199,17 @@ def _run_data_parallel(setup, variant, model, train, eval_batches, steps=None) -
     numel = sum(p.numel() for p in model.parameters())
     # Ring all-reduce of fp32 gradients: each learner sends and receives 2(K-1)/K of them.
     per_step = 2 * (2 * (k - 1) / k) * numel * 4
-    return Result(asdict(variant), curve[-1][1], curve, int(per_step * steps), int(per_step))
+    return Result(
+        asdict(variant),
+        curve[-1][1],
+        curve,
+        int(per_step * steps),
+        push_bytes=int(per_step * steps / 2),
+        pull_bytes=int(per_step * steps / 2),
+        syncs=steps,
+        numel=numel,
+        peak_sync_bytes=int(per_step),
+    )
 
 
 def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
@@ -211,6 +228,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             lease_s=1e9,
             fragments=variant.fragments,
             pull_codec=variant.pull_codec,
+            **({"pull_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
             outer_lr=variant.outer_lr,
             outer_momentum=variant.outer_momentum,
             outer_momentum_warmup_rounds=variant.outer_momentum_warmup_rounds,
@@ -247,6 +265,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             variant.push_codec,
             variant.merge_alpha,
             tokens_per_step=setup.batch_size * setup.block_size,
+            **({"push_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
         )
         sync.load_globals()
         sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=data_seed(setup) + i)
@@ -280,12 +299,16 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
     final = global_loss()
     curve[-1] = (curve[-1][0], final)
     stats = [sync.stats for *_, sync in learners]
+    most = max(stats, key=lambda s: s.push_bytes + s.pull_bytes)
     return Result(
         asdict(variant),
         final,
         curve,
-        bytes_per_learner=max(s.push_bytes + s.pull_bytes for s in stats)
-        + warm_cost.bytes_per_learner,
+        bytes_per_learner=most.push_bytes + most.pull_bytes + warm_cost.bytes_per_learner,
+        push_bytes=most.push_bytes,
+        pull_bytes=most.pull_bytes,
+        syncs=most.syncs // variant.fragments,
+        numel=sum(p.numel() for p in model.parameters()),
         peak_sync_bytes=max([s.peak_sync_bytes for s in stats] + [warm_cost.peak_sync_bytes]),
         blocked_s=max(s.blocked_s for s in stats),
     )

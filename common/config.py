@@ -92,6 +92,8 @@ def sections(cls: type) -> dict[str, type]:
 def build_config(cls: type[T], values: Mapping[str, Any]) -> T:
     """A config from flat setting names (`{"sync_every_steps": 20}`), sections filled in.
 
+    A class with a `recipe_values(values)` static method (a preset such as `recipe =
+    "paper"`) gets that preset's settings under the given ones: what the caller sets wins.
     Raises ValueError naming an unknown setting, and whatever the sections' checks raise."""
     known = settings(cls)
     unknown = sorted(set(values) - set(known))
@@ -99,6 +101,9 @@ def build_config(cls: type[T], values: Mapping[str, Any]) -> T:
         raise ValueError(
             f"unknown setting {unknown[0]!r} for {cls.__name__}; known: {', '.join(known)}"
         )
+    preset = getattr(cls, "recipe_values", None)
+    if preset is not None:
+        values = {**preset(values), **values}
     nested: dict[str, Any] = {}
     by_section: dict[str, dict[str, Any]] = {}
     for name, value in values.items():

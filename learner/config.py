@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,15 +69,29 @@ class ConnectionConfig:
         return [a.strip() for a in self.server.split(",") if a.strip()]
 
 
+RECIPES = ("best", "paper")
+
+
+def sync_recipe(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The sync settings of the recipe named in `values` (the dataclass defaults are best)."""
+    if values.get("recipe") == "paper":
+        return {"sync_every_steps": 100, "merge_alpha": 0.5, "push_codec": "fp4_e3m0"}
+    return {}
+
+
 @dataclass(kw_only=True)
 class SyncConfig:
     """The Streaming DiLoCo schedule: when each fragment syncs and how it is merged."""
 
+    recipe: str = "best"
+    """best: the defaults below, the best measured training from scratch (docs/RESULTS.md);
+    paper: the Streaming DiLoCo paper's H = 100, α = 0.5 and fp4_e3m0 pushes for the
+    settings not given (pair it with the server's --recipe paper)."""
     sync_every_steps: int = 50
     """H: inner steps between two pushes of the same fragment."""
     overlap_steps: int = 1
     """τ: inner steps a fragment's sync may travel before it is merged (0: wait at once)."""
-    merge_alpha: float = 0.5
+    merge_alpha: float = 0.05
     """α in θ ← α·θ_local + (1−α)·θ_global at the merge (0: take the global value)."""
     push_codec: str = "fp4_e2m1"
     """Codec of the pushed pseudo-gradients: fp4_e2m1, fp4_e3m0, bf16, fp32, or the top-k
@@ -93,6 +109,8 @@ class SyncConfig:
     trains a step more first. Nobody waits either way."""
 
     def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if self.push_codec not in CODECS:
             raise ValueError(
                 f"push_codec must be one of {', '.join(CODECS)}, got {self.push_codec!r}"
@@ -228,6 +246,7 @@ class DilocoSyncConfig:
 
     connection: ConnectionConfig = dataclasses.field(default_factory=ConnectionConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    recipe_values = staticmethod(sync_recipe)
 
 
 @dataclass(kw_only=True)
@@ -239,6 +258,7 @@ class LearnerConfig:
 
     connection: ConnectionConfig = dataclasses.field(default_factory=ConnectionConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    recipe_values = staticmethod(sync_recipe)
     model: GPTConfig = dataclasses.field(default_factory=GPTConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)

@@ -13,8 +13,9 @@ or in its section's table (common/config.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -87,22 +88,42 @@ class RoundsConfig:
             raise ValueError(f"max_norm_ratio must be >= 0, got {self.max_norm_ratio}")
 
 
+RECIPES = ("best", "paper")
+
+
+def outer_recipe(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The outer settings of the recipe named in `values` (the dataclass defaults are best,
+    less the momentum warm-up in async mode, which has no rounds to warm up over)."""
+    if values.get("recipe") == "paper":
+        return {"outer_momentum_warmup_rounds": 0, "pull_codec": "fp4_e3m0"}
+    if values.get("mode") == "async":
+        return {"outer_momentum_warmup_rounds": 0}
+    return {}
+
+
 @dataclass(kw_only=True)
 class OuterConfig:
     """The outer optimizer's step (server/outer.py)."""
 
+    recipe: str = "best"
+    """best: the defaults below, the best measured training from scratch (docs/RESULTS.md;
+    async mode: no momentum warm-up); paper: DiLoCo's outer step exactly (no momentum
+    warm-up) and Streaming DiLoCo's fp4_e3m0 pulls, for the settings not given (pair it with
+    the learners' --recipe paper)."""
     outer_lr: float = 0.7
     """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum (0.9 in DiLoCo)."""
-    outer_momentum_warmup_rounds: int = 0
+    outer_momentum_warmup_rounds: int = 20
     """sync/quorum: raise the outer momentum linearly from outer_momentum_warmup_start to
     outer_momentum over each fragment's first N outer steps (0: off, torch's SGD exactly).
-    Helps a model trained from scratch (README, quality results)."""
+    Helps a model trained from scratch (docs/RESULTS.md, quality)."""
     outer_momentum_warmup_start: float = 0.5
     """The outer momentum of the first outer step when the warm-up is on."""
 
     def __post_init__(self) -> None:
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -333,6 +354,8 @@ class AggregatorConfig:
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
 
+    recipe_values = staticmethod(outer_recipe)
+
     def __post_init__(self) -> None:
         check_aggregator_sections(self)
 
@@ -351,6 +374,8 @@ class ServerConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+
+    recipe_values = staticmethod(outer_recipe)
 
     def __post_init__(self) -> None:
         check_aggregator_sections(self)

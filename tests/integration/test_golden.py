@@ -55,6 +55,8 @@ def test_sync_run_reproduces_its_parameters_bit_for_bit() -> None:
                 "2",
                 "--pull-codec",
                 "fp4_e2m1",
+                "--outer-momentum-warmup-rounds",
+                "0",
             ]
         )
     )

@@ -20,7 +20,9 @@ def make(n_learners: int, **config) -> tuple[Aggregator, list[str], FakeClock]:
 
 
 def test_outer_step_matches_torch_sgd_nesterov_on_mean_of_different_deltas() -> None:
-    agg, sessions, _ = make(3, outer_lr=0.7, outer_momentum=0.9, pull_codec="fp32")
+    agg, sessions, _ = make(
+        3, outer_lr=0.7, outer_momentum=0.9, outer_momentum_warmup_rounds=0, pull_codec="fp32"
+    )
     reference = [torch.nn.Parameter(t.clone()) for t in tensors(0)]
     sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
     for rnd in range(5):

@@ -240,3 +240,31 @@ def test_the_library_config_holds_only_the_connection_and_sync_sections() -> Non
     assert "slowdown" not in settings(DilocoSyncConfig)
     with pytest.raises(ValueError, match="unknown setting 'batch_size' for DilocoSyncConfig"):
         build_config(DilocoSyncConfig, {"batch_size": 4})
+
+
+def test_the_best_recipe_is_the_default_and_paper_restores_the_papers_settings() -> None:
+    best = build_config(LearnerConfig, {}).sync
+    assert (best.recipe, best.merge_alpha) == ("best", 0.05)
+    paper = build_config(LearnerConfig, {"recipe": "paper"}).sync
+    assert (paper.sync_every_steps, paper.merge_alpha, paper.push_codec) == (
+        100,
+        0.5,
+        "fp4_e3m0",
+    )
+    mine = build_config(DilocoSyncConfig, {"recipe": "paper", "merge_alpha": 0.2}).sync
+    assert (mine.merge_alpha, mine.sync_every_steps) == (0.2, 100)  # what is given wins
+    assert build_config(AggregatorConfig, {}).outer.outer_momentum_warmup_rounds == 20
+    assert build_config(AggregatorConfig, {"mode": "quorum"}).outer.outer_momentum_warmup_rounds
+    for values in ({"recipe": "paper"}, {"mode": "async"}):
+        assert build_config(AggregatorConfig, values).outer.outer_momentum_warmup_rounds == 0
+    assert build_config(AggregatorConfig, {"recipe": "paper"}).streaming.pull_codec == "fp4_e3m0"
+    assert build_config(AggregatorConfig, {"mode": "async"}).streaming.pull_codec == "fp4_e2m1"
+    given = {"recipe": "paper", "outer_momentum_warmup_rounds": 5}
+    assert build_config(ServerConfig, {**given, "insecure": True}).outer.recipe == "paper"
+    assert build_config(AggregatorConfig, given).outer.outer_momentum_warmup_rounds == 5
+
+
+@pytest.mark.parametrize("cls", [LearnerConfig, AggregatorConfig])
+def test_an_unknown_recipe_is_refused(cls: type) -> None:
+    with pytest.raises(ValueError, match="recipe must be one of best, paper, got 'fast'"):
+        build_config(cls, {"recipe": "fast"})

@@ -16,7 +16,9 @@ SPECS = [ParamSpec("w", (4,), "float32")]
 
 def make(n: int, **config):
     clock = FakeClock()
-    agg = Aggregator(aggregator_config(pull_codec="fp32", **config), clock=clock)
+    # The expected steps below are torch's Nesterov SGD exactly: no momentum warm-up.
+    config = {"pull_codec": "fp32", "outer_momentum_warmup_rounds": 0, **config}
+    agg = Aggregator(aggregator_config(**config), clock=clock)
     sessions = [agg.join(f"l{i}", SPECS).session_id for i in range(n)]
     agg.initialize(sessions[0], 0, [torch.zeros(4)])
     return agg, sessions, clock

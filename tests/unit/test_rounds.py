@@ -119,4 +119,5 @@ def test_the_outer_warm_up_reaches_nesterov_outside_async() -> None:
     outer = OuterConfig(outer_momentum_warmup_rounds=10, outer_momentum_warmup_start=0.2)
     state = fragment(policy(mode="quorum", outer=outer))
     assert state.outer.warmup_rounds == 10 and state.outer.warmup_start == 0.2
-    assert fragment(policy(mode="sync")).outer.warmup_rounds == 0
+    plain = OuterConfig(outer_momentum_warmup_rounds=0)
+    assert fragment(policy(mode="sync", outer=plain)).outer.warmup_rounds == 0

@@ -1,0 +1,133 @@
+"""The quality benchmarks' rows: a codec name, a top-k fraction and H make a training run.
+
+Every DiLoCo row is Streaming DiLoCo with the same recipe (P = 4 strided fragments, τ = 1,
+merge α = 0.05, the outer Nesterov at lr 0.7 and momentum 0.9 warmed up from 0.5 over 20
+rounds); rows differ only in the codec both ways, its top-k fraction (sparse codecs), H, the
+inner learning rate, the step count and the seed. Runs are deterministic (the same row gives
+the same numbers on the same machine), so finished runs are kept in a cache file keyed by
+the full setup and variant and reused by bench/quality.py and bench/quality_sweep.py.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.simulate import Result, Setup, Variant, run_variant
+
+# The wire codec names the rows use, and the common/codec.py codecs they send each way.
+WIRE = {
+    "fp32": "fp32",
+    "fp4": "fp4_e2m1",
+    "sparse-2bit": "sparse_2bit",
+    "sparse-fp4": "sparse_fp4",
+}
+WARMUP_ROUNDS = 20  # outer momentum warm-up (docs/RESULTS.md, "The outer momentum warm-up")
+MERGE_ALPHA = 0.05  # Streaming's merge weight of the local fragment (docs/RESULTS.md)
+FRAGMENTS = 4
+
+
+@dataclass(frozen=True)
+class Row:
+    """One training run. codec "dp" is data-parallel (lr is then its learning rate)."""
+
+    codec: str
+    h: int = 0
+    topk: float = 0.0  # sparse codecs: the fraction of each chunk's values sent
+    lr: float = 1e-3  # the inner learning rate (data-parallel: its learning rate)
+    steps: int = 1000
+    seed: int = 0
+
+    @property
+    def method(self) -> str:
+        """The row without its seed: what the seeds of one table row share."""
+        if self.codec == "dp":
+            return f"data-parallel lr {self.lr:g}"
+        k = f" top-k 1/{1 / self.topk:g}" if self.topk else ""
+        return f"{self.codec}{k} H={self.h} lr {self.lr:g}"
+
+    def setup(self, quick: bool = False, **kw) -> Setup:
+        """The run's Setup; `kw` sets more of its fields (n_embd, device, lr_schedule)."""
+        common = {"inner_lr": self.lr, "seed": self.seed, **kw}
+        if quick:
+            return Setup(steps=self.steps, eval_every=50, eval_batches=8, **common)
+        return Setup(steps=self.steps, **common)
+
+    def variant(self) -> Variant:
+        if self.codec == "dp":
+            return Variant(name=self.method, kind="dp")
+        if self.codec not in WIRE:
+            raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(WIRE)}")
+        return Variant(
+            name=self.method,
+            sync_every_steps=self.h,
+            fragments=FRAGMENTS,
+            overlap_steps=1,
+            merge_alpha=MERGE_ALPHA,
+            push_codec=WIRE[self.codec],
+            pull_codec=WIRE[self.codec],
+            outer_momentum_warmup_rounds=WARMUP_ROUNDS,
+            topk_fraction=self.topk,
+        )
+
+
+def cache_key(setup: Setup, variant: Variant) -> str:
+    """The run's identity: every setting but the name (a dense row's unset top-k left out,
+    so that its key does not depend on a setting it never uses)."""
+    fields = {**asdict(variant), "name": ""}
+    if not variant.topk_fraction:
+        del fields["topk_fraction"]
+    return json.dumps({"setup": asdict(setup), "variant": fields}, sort_keys=True)
+
+
+def run_rows(
+    rows: list[Row], cache: Path | None, workers: int = 2, quick: bool = False, **setup_kw
+) -> dict[Row, Result]:
+    """Each row's result: from `cache` when it holds the same run, else trained (in parallel
+    over `workers` processes, the cache rewritten after each run)."""
+    stored = json.loads(cache.read_text()) if cache and cache.exists() else {}
+    jobs = {row: (row.setup(quick, **setup_kw), row.variant()) for row in rows}
+    out = {}
+    todo = []
+    for row, (setup, variant) in jobs.items():
+        hit = stored.get(cache_key(setup, variant))
+        if hit is not None:
+            out[row] = Result(**{**hit, "variant": asdict(variant)})
+        else:
+            todo.append(row)
+    print(f"{len(rows)} runs: {len(rows) - len(todo)} cached, {len(todo)} to train", flush=True)
+
+    def finish(row: Row, result: Result) -> None:
+        out[row] = result
+        print(
+            f"  done: {row.method} seed {row.seed} steps {row.steps}: "
+            f"eval_loss={result.eval_loss:.4f} ({result.wall_s:.0f} s, CPU {result.cpu_s:.0f} s)",
+            flush=True,
+        )
+        if cache:
+            save(cache, cache_key(*jobs[row]), asdict(result))
+
+    # One torch thread per run either way: the thread count can move the last bits.
+    if workers <= 1:  # one at a time, in this process
+        for row in todo:
+            finish(row, run_variant(*jobs[row], 1))
+        return out
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = {row: pool.submit(run_variant, *jobs[row], 1) for row in todo}
+        for row, future in futures.items():
+            finish(row, future.result())
+    return out
+
+
+def save(cache: Path, key: str, result: dict) -> None:
+    """Add one run to the cache file, keeping what other processes wrote meanwhile."""
+    stored = json.loads(cache.read_text()) if cache.exists() else {}
+    stored[key] = result
+    partial = cache.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps(stored, indent=0))
+    partial.replace(cache)

@@ -1,0 +1,116 @@
+"""The learning-rate sweeps and the step-count trend behind bench/quality.py's settings.
+
+    python bench/quality_sweep.py lr       # data-parallel's lr and the learners' inner lr
+    python bench/quality_sweep.py trend    # headline rows at 1,000 and 3,000 steps, seed 0
+
+`lr`: data-parallel at each of --dp-lrs and Streaming DiLoCo (bench/quality_runs.py's
+recipe, --codec at H = --h) at each of --inner-lrs, seed 0; prints each run's eval loss and
+the best lr of each, which bench/quality.py's DP_LR and INNER_LR hold. `trend`: data-parallel
+and the given codec rows at --steps-list, to show whether the gap at fixed H shrinks as outer
+steps accumulate. Both share bench/results/quality_runs.json (finished runs are reused) and
+write bench/results/quality_sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.quality_runs import Row, run_rows  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def lr_rows(args: argparse.Namespace) -> list[Row]:
+    return [Row("dp", lr=lr, seed=s) for lr in args.dp_lrs for s in args.seeds] + [
+        Row(args.codec, h=args.h, topk=args.topk, lr=lr, seed=s)
+        for lr in args.inner_lrs
+        for s in args.seeds
+    ]
+
+
+def trend_rows(args: argparse.Namespace) -> list[Row]:
+    rows = []
+    for steps in args.steps_list:
+        rows.append(Row("dp", lr=args.dp_lr, steps=steps))
+        for codec in args.codecs:
+            name, _, topk = codec.partition(":")
+            rows.append(Row(name, h=args.h, topk=float(topk or 0), lr=args.inner_lr, steps=steps))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["lr", "trend"])
+    parser.add_argument("--dp-lrs", type=float, nargs="*", default=[1e-3, 2e-3, 4e-3])
+    parser.add_argument("--inner-lrs", type=float, nargs="*", default=[1e-3, 2e-3, 4e-3])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="lr: seeds of each")
+    parser.add_argument("--codec", default="fp4", help="lr: the DiLoCo row's codec")
+    parser.add_argument("--topk", type=float, default=0.0, help="lr: its top-k fraction")
+    parser.add_argument("--h", type=int, default=20, help="H of the DiLoCo rows")
+    parser.add_argument("--steps-list", type=int, nargs="+", default=[1000, 3000])
+    parser.add_argument(
+        "--codecs", nargs="+", default=["fp4"], help="trend: codec or codec:topk rows"
+    )
+    parser.add_argument("--dp-lr", type=float, default=2e-3, help="trend: data-parallel's lr")
+    parser.add_argument("--inner-lr", type=float, default=2e-3, help="trend: the learners' lr")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--cache", default="quality_runs.json", help="file of runs, in --out")
+    args = parser.parse_args()
+    rows = lr_rows(args) if args.what == "lr" else trend_rows(args)
+    started = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run_rows(rows, args.out / args.cache, args.workers)
+    table = []
+    for row in rows:
+        r = results[row]
+        dp = min(
+            (
+                results[d]
+                for d in rows
+                if d.codec == "dp" and (d.steps, d.seed) == (row.steps, row.seed)
+            ),
+            key=lambda d: d.eval_loss,
+            default=None,
+        )  # the best data-parallel run of the same seed and step count (if any)
+        table.append(
+            {
+                "name": row.method,
+                "seed": row.seed,
+                "steps": row.steps,
+                "eval_loss": r.eval_loss,
+                "gap_vs_dp": r.eval_loss / dp.eval_loss - 1 if dp else None,
+                "bytes_ratio_vs_dp": dp.bytes_per_learner / r.bytes_per_learner if dp else None,
+                "wall_s": r.wall_s,
+                "cpu_s": r.cpu_s,
+            }
+        )
+        print(f"{row.method:<34} {row.steps:>5} steps  {r.eval_loss:.4f}", flush=True)
+    if args.what == "lr":
+        for kind in ("dp", args.codec):
+            tried = [r for r in rows if r.codec == kind]
+            if not tried:
+                continue
+            best = min(tried, key=lambda r: results[r].eval_loss)
+            print(f"best {kind}: lr {best.lr:g} (eval loss {results[best].eval_loss:.4f})")
+    path = args.out / "quality_sweep.json"
+    report = json.loads(path.read_text()) if path.exists() else {}
+    # Sweeps of other rows add to the table: a row is its name, seed and step count.
+    kept = {
+        (r["name"], r["seed"], r["steps"]): r for r in report.get(args.what, {}).get("rows", [])
+    }
+    kept.update({(r["name"], r["seed"], r["steps"]): r for r in table})
+    report[args.what] = {"rows": list(kept.values())}
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The quality benchmark's bookkeeping: rows, the run cache, per-seed gaps and verdicts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+import pytest
+
+from bench import quality, quality_runs
+from bench.quality_runs import Row, run_rows
+from bench.simulate import Result
+
+
+def test_a_row_is_a_codec_name_h_and_learning_rate() -> None:
+    fp4 = Row("fp4", h=20, lr=2e-3).variant()
+    assert (fp4.push_codec, fp4.pull_codec, fp4.sync_every_steps) == ("fp4_e2m1", "fp4_e2m1", 20)
+    assert (fp4.merge_alpha, fp4.outer_momentum_warmup_rounds, fp4.fragments) == (0.05, 20, 4)
+    assert Row("fp4", h=20, lr=2e-3, seed=3).setup().inner_lr == 2e-3
+    assert Row("dp", lr=4e-3).variant().kind == "dp"
+    sparse = Row("sparse-2bit", h=20, topk=1 / 64)
+    assert (sparse.variant().push_codec, sparse.variant().topk_fraction) == ("sparse_2bit", 1 / 64)
+    assert sparse.method == "sparse-2bit top-k 1/64 H=20 lr 0.001"
+    dense, other = Row("fp4", h=20), Row("fp4", h=50)
+    key = quality_runs.cache_key(dense.setup(), dense.variant())
+    assert "topk_fraction" not in key  # a dense row's key leaves out the setting it never uses
+    assert key != quality_runs.cache_key(other.setup(), other.variant())
+    with pytest.raises(ValueError, match="unknown codec 'fp3'"):
+        Row("fp3", h=20).variant()
+
+
+def fake_result(loss: float, push: int, pull: int, syncs: int = 10) -> Result:
+    return Result({}, loss, [(0, 5.0), (1, loss)], push + pull, push, pull, syncs, numel=100)
+
+
+def test_the_cache_trains_each_run_once(tmp_path, monkeypatch) -> None:
+    trained = []
+
+    def train(setup, variant, threads):
+        trained.append((setup.seed, variant.kind))
+        return fake_result(1.0 + setup.seed, 400, 400)
+
+    monkeypatch.setattr(quality_runs, "run_variant", train)
+    cache = tmp_path / "runs.json"
+    rows = [Row("dp", seed=0), Row("fp4", h=20, seed=0)]
+    first = run_rows(rows, cache, workers=1)
+    again = run_rows([*rows, Row("dp", seed=1)], cache, workers=1)
+    assert trained == [(0, "dp"), (0, "diloco"), (1, "dp")]
+    assert again[rows[1]].eval_loss == first[rows[1]].eval_loss == 1.0
+    assert asdict(again[rows[0]])["push_bytes"] == 400
+
+
+def test_rows_report_mean_and_std_of_gaps_against_the_same_seeds_dp() -> None:
+    rows = [Row("dp", lr=2e-3, seed=s) for s in (0, 1)] + [Row("fp4", h=20, seed=s) for s in (0, 1)]
+    results = {
+        rows[0]: fake_result(2.0, 600_000, 600_000, syncs=1000),
+        rows[1]: fake_result(1.0, 600_000, 600_000, syncs=1000),
+        rows[2]: fake_result(2.2, 30, 20),
+        rows[3]: fake_result(1.0, 30, 20),
+    }
+    dp, fp4 = quality.summarize(results, rows)
+    assert (dp["gap_vs_dp"], dp["gap_std"], dp["bits_per_param_push"]) == (0.0, 0.0, 48.0)
+    assert fp4["seeds"] == [0, 1] and fp4["dp_lr"] == 2e-3
+    assert fp4["gap_vs_dp"] == pytest.approx(0.05)  # +10% and 0%
+    assert fp4["gap_std"] == pytest.approx(0.0707, abs=1e-4)
+    assert (fp4["bits_per_param_push"], fp4["bits_per_param_pull"]) == (0.24, 0.16)
+    assert fp4["bytes_ratio_vs_dp"] == 1_200_000 / 50
+    _, one = quality.summarize(results, rows[::2])  # seed 0 alone: no deviation to report
+    assert (one["seeds"], one["gap_std"], one["eval_loss_std"]) == ([0], None, None)
+
+
+def entry(codec: str, h: int, gap: float, nbytes: int) -> dict:
+    dp_bytes = 1_000_000
+    return {"name": f"{codec} H={h}", "codec": codec, "h": h, "gap_vs_dp": gap}, {
+        "bytes_per_learner": nbytes,
+        "bytes_ratio_vs_dp": dp_bytes / nbytes,
+    }
+
+
+def test_checks_name_the_best_ratio_and_judge_sparse_against_fp4() -> None:
+    entries = [
+        {**a, **b}
+        for a, b in (
+            entry("dp", 0, 0.0, 1_000_000),
+            entry("fp4", 20, 0.02, 4000),
+            entry("sparse-2bit", 20, 0.024, 400),
+            entry("sparse-fp4", 20, 0.03, 900),
+        )
+    ]
+    lines = quality.check(entries)
+    assert "INFO  best bytes ratio vs tuned DP at mean gap <= 1%: none" in lines
+    assert "INFO  best bytes ratio vs tuned DP at mean gap <= 3%: 2500x (sparse-2bit H=20)" in lines
+    assert "FAIL  >= 1000x fewer bytes than tuned DP at mean gap <= 1%" in lines
+    assert any(x.startswith("PASS  sparse-2bit H=20: 10.0x fewer bytes") for x in lines)
+    assert any(x.startswith("FAIL  sparse-fp4 H=20: 4.4x fewer bytes") for x in lines)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_benchmark_writes_every_row_over_its_seeds(tmp_path, monkeypatch, quick) -> None:
+    def train(setup, variant, threads):
+        dp = variant.kind == "dp"
+        return fake_result(1.5 + 0.01 * setup.seed + (0 if dp else 0.02), 600, 400)
+
+    monkeypatch.setattr(quality_runs, "run_variant", train)
+    argv = ["quality.py", "--workers", "1", "--out", str(tmp_path), "--seeds", "0", "1", "2"]
+    monkeypatch.setattr("sys.argv", argv + (["--quick"] if quick else []))
+    assert quality.main() == 0
+    report = json.loads(
+        (tmp_path / ("quality_quick.json" if quick else "quality.json")).read_text()
+    )
+    rows = quality.QUICK if quick else quality.HEADLINE
+    assert len(report["variants"]) == 1 + len(rows) and report["dp_lr"] == quality.DP_LR
+    for e in report["variants"]:
+        assert e["seeds"] == [0, 1, 2]
+        for key in ("eval_loss", "gap_vs_dp", "gap_std", "bytes_ratio_vs_dp", "dp_lr"):
+            assert key in e
+        assert e["bits_per_param_push"] > 0 and e["bits_per_param_pull"] > 0
+    assert report["checks"][-1].startswith(("PASS", "FAIL"))
+    assert (tmp_path / "quality_tradeoff.png").exists() != quick
+
+
+def test_rows_are_given_as_codec_h_and_topk() -> None:
+    assert quality.parse_row("sparse-fp4:20:0.015625") == ("sparse-fp4", 20, 0.015625)
+    assert quality.parse_row("fp32:50") == ("fp32", 50, 0.0)
+    for bad, why in [("fp4", "expected codec:H"), ("fp3:20", "unknown codec"), ("fp4:0", "H must")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            quality.parse_row(bad)
