@@ -18,7 +18,7 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick bench-quality-sweep \
-	compose-smoke wan-sim bench-decoupled bench-load bench bench-quick sim fuzz
+	compose-smoke wan-sim bench-decoupled bench-load bench-scale bench bench-quick sim fuzz
 
 install: $(STAMP)
 
@@ -54,6 +54,11 @@ bench-decoupled: $(BENCH_STAMP)
 
 bench-load: $(STAMP)
 	$(BIN)/python bench/load.py
+
+# Aggregator shards (bench/scale.py): 512 M params over 1, 2 and 4 shards, 8 learners, and
+# 64 learners on 134 M params; bench/results/scale.json. `--quick`: 8 learners, 20 s a run.
+bench-scale: $(STAMP)
+	nice -n 19 $(BIN)/python bench/scale.py
 
 # The performance suite (bench/perf.py): ratios against their ceilings, bench/results/perf.json.
 bench: $(BENCH_STAMP)

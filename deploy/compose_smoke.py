@@ -1,4 +1,4 @@
-"""`make compose-smoke`: build the image, run the compose setup, kill and restart a learner.
+"""`make compose-smoke`: build the image, run 2 aggregator shards and 3 learners, kill a shard.
 
     python deploy/compose_smoke.py [--timeout-s 600] [--keep]
 
@@ -10,11 +10,13 @@ deploy/docker-compose.host.yml, so every container uses host networking on 127.0
 Grafana is left out here (no offline image); its provisioning is checked by
 tests/unit/test_deploy_manifests.py.
 
-Steps, each bounded in time: build; up server + 3 learners + Prometheus; wait until
-Prometheus has every target up and every learner has finished outer steps; `kill -9` one
-learner container and start it again; wait until it has rejoined (its outer-step counter
-starts again from zero and reaches 1, and the server has 3 live learners); tear everything
-down (always). Every check reads Prometheus, never the containers' logs.
+Steps, each bounded in time: build; up 2 server shards + 3 learners + Prometheus; wait until
+Prometheus has every target up, every learner has finished outer steps and each shard has
+closed a round of the fragment it owns; `kill -9` shard 1; check that shard 0's fragment
+versions keep rising while shard 1 is down (measured: 2 more versions during the outage);
+start shard 1 again and wait until it is back with no served version lost (its fragment
+at or past the version it had when killed) and advancing again; tear everything down
+(always). Every check reads Prometheus, never the containers' logs.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ DEFAULT_BASE = "local/py311-base:bookworm"
 IMAGE = "decoupled-diloco:dev"
 PROJECT = "diloco-smoke"
 PROMETHEUS = "http://127.0.0.1:19090"
+SHARDS = ["server-0", "server-1"]
 LEARNERS = ["learner-1", "learner-2", "learner-3"]
-SERVICES = ["server", *LEARNERS, "prometheus"]
+SERVICES = [*SHARDS, *LEARNERS, "prometheus"]
+OUTAGE_VERSIONS = 2  # versions the live shard must close while the other is down
 
 
 def log(message: str) -> None:
@@ -126,12 +130,18 @@ def values_by_instance(expr: str) -> dict[str, float]:
     return {r["metric"].get("instance", ""): float(r["value"][1]) for r in results}
 
 
-def instance_of(learner_id: str) -> str:
-    """The scrape address (Prometheus' `instance`) of a learner's /metrics."""
-    results = instant_query(PROMETHEUS, f'diloco_learner_info{{learner_id="{learner_id}"}}')
-    if not results:
-        raise RuntimeError(f"Prometheus has no diloco_learner_info for {learner_id}")
-    return results[0]["metric"]["instance"]
+def owned_versions(shard: int, over_time: str = "") -> dict[str, float]:
+    """The versions of the fragments a shard owns ({} while it is down; a shard reports the
+    fragments it does not own as -1). `over_time`: e.g. max_over_time, over the last 10 min."""
+    expr = f'diloco_server_fragment_version{{shard="{shard}"}}'
+    expr = f"{over_time}({expr}[10m]) >= 0" if over_time else f"{expr} >= 0"
+    return {r["metric"]["fragment"]: float(r["value"][1]) for r in instant_query(PROMETHEUS, expr)}
+
+
+def shard_up(shard: int) -> bool:
+    return [float(r["value"][1]) for r in instant_query(PROMETHEUS, f'up{{shard="{shard}"}}')] == [
+        1
+    ]
 
 
 def wait_for(what: str, check, deadline: float) -> None:
@@ -169,42 +179,53 @@ def main() -> int:
     compose = ["docker-compose", "-p", PROJECT, "-f", host_network_config(env)]
     try:
         sh(*compose, "up", "-d", "--no-build", *SERVICES, env=env)
+        targets = len(SHARDS) + len(LEARNERS)
         wait_for(
-            "Prometheus sees all 4 targets up",
-            lambda: sum(values_by_instance("up").values()) == 4,
+            f"Prometheus sees all {targets} targets up",
+            lambda: sum(values_by_instance("up").values()) == targets,
             deadline,
         )
         wait_for(
-            "every learner has completed 2 outer steps",
+            "every learner has completed 2 outer steps and each shard has closed a round",
             lambda: (
                 (v := values_by_instance("diloco_learner_outer_steps_total"))
-                and len(v) == 3
+                and len(v) == len(LEARNERS)
                 and min(v.values()) >= 2
+                and all(min(owned_versions(i).values(), default=0) >= 1 for i in (0, 1))
             ),
             deadline,
         )
-        learner2 = instance_of("learner-2")
-        log("kill -9 learner-2, then start it again")
-        sh(*compose, "kill", "-s", "SIGKILL", "learner-2", env=env)
-        sh(*compose, "start", "learner-2", env=env)  # a no-op if its restart policy was first
-
-        def rejoined() -> bool:
-            # A new process counts outer steps from zero: Prometheus sees the counter reset.
-            steps = f'diloco_learner_outer_steps_total{{instance="{learner2}"}}'
-            restarted = values_by_instance(f"resets({steps}[30m])").get(learner2, 0) >= 1
-            trains = values_by_instance(steps).get(learner2, 0) >= 1  # joined, an outer step
-            live = list(values_by_instance("diloco_server_live_learners").values())
-            return restarted and trains and live == [3]
-
+        log("kill -9 shard 1 (server-1)")
+        sh(*compose, "kill", "-s", "SIGKILL", "server-1", env=env)
+        wait_for("Prometheus sees shard 1 down", lambda: not shard_up(1), deadline)
+        killed_at = owned_versions(1, "max_over_time")  # the newest it was seen to serve
+        before = owned_versions(0)
+        log(f"at the kill: shard 0 {before}, shard 1 {killed_at}")
         wait_for(
-            "learner-2 joined again, trains (an outer step), and the server has 3 live learners",
-            rejoined,
+            f"shard 0 closes {OUTAGE_VERSIONS} more versions of each fragment it owns",
+            lambda: all(
+                owned_versions(0).get(f, -1) >= v + OUTAGE_VERSIONS for f, v in before.items()
+            ),
             deadline,
         )
-        versions = {
-            r["metric"]["fragment"]: r["value"][1]
-            for r in instant_query(PROMETHEUS, "diloco_server_fragment_version")
-        }
+        if shard_up(1):
+            raise RuntimeError("shard 1 came back before the check ended: no outage measured")
+        log(f"during the outage: shard 0 {owned_versions(0)}; start shard 1 again")
+        sh(*compose, "start", "server-1", env=env)
+        wait_for(
+            "shard 1 is scraped again",
+            lambda: shard_up(1) and owned_versions(1).keys() == killed_at.keys(),
+            deadline,
+        )
+        back = owned_versions(1)  # its first scrape: what it restored from its state dir
+        if any(back[f] < v for f, v in killed_at.items()):
+            raise RuntimeError(f"shard 1 lost served versions: {killed_at} before, {back} after")
+        wait_for(
+            "shard 1 closes a new round of each fragment it owns",
+            lambda: all(owned_versions(1).get(f, -1) >= v + 1 for f, v in back.items()),
+            deadline,
+        )
+        versions = {i: owned_versions(i) for i in (0, 1)}
         log(f"fragment versions now: {versions}")
         log(f"PASS in {time.monotonic() - started:.0f} s")
         return 0

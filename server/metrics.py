@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -34,6 +34,9 @@ class ServerMetrics(AggregatorEvents):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # process_resident_memory_bytes and CPU seconds: what a shard costs (the dashboard's
+        # per-shard memory panel); on systems without /proc the collector exports nothing.
+        ProcessCollector(registry=r)
         self.round_duration = Histogram(
             "diloco_server_round_duration_seconds",
             "Time from a round's first push to its close.",

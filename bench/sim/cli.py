@@ -6,6 +6,7 @@
     python -m bench.sim.cli sweep --params 10e9 --layers 48 --step-time-s 0.8 --islands 4 \\
         --method streaming --fragments 16 --overlap 1 --target 0.9
     python -m bench.sim.cli failures --chips 1200000 --failures-per-chip-year 1 --learners 8
+    python -m bench.sim.cli shards     # aggregator shards for 95% utilisation, 10B and 100B
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.sim import report, reproduce
+from bench.sim import report, reproduce, shards
 from bench.sim.goodput import FailureScenario, QuorumSetup, elastic_dp_goodput, quorum_goodput
 from bench.sim.model import ModelSpec
 from bench.sim.throughput import Method, Scenario, required_bandwidth, simulate
@@ -50,7 +51,48 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--min-quorum", type=int, default=0, help="0: half the learners")
     f.add_argument("--bandwidth-gbps", type=float, default=100.0)
     f.add_argument("--duration-h", type=float, default=2.0)
+    s = sub.add_parser("shards", help="aggregator shards a target utilisation needs")
+    s.add_argument("--learners", type=int, nargs="+", default=[8, 16, 64])
+    s.add_argument("--cores", type=float, nargs="+", default=[1, 8], help="ingest cores/shard")
+    s.add_argument("--nic-gbps", type=float, default=25.0, help="each shard's NIC")
+    s.add_argument("--learner-gbps", type=float, default=100.0, help="each learner's link")
+    s.add_argument("--cpu-s-per-gb", type=float, default=0.0, help="0: bench/results/ingest.json")
+    s.add_argument("--sync-every-steps", "-H", type=int, default=100)
+    s.add_argument("--fragments", "-P", type=int, default=0, help="0: layers / 3")
+    s.add_argument("--overlap", type=int, default=5, help="tau, inner steps")
+    s.add_argument("--codec", default="fp4_e2m1")
+    s.add_argument("--target", type=float, default=0.95)
+    s.add_argument("--rss-per-owned", type=float, default=4.0, help="RSS / owned fp32 bytes")
+    s.add_argument("--shard-ram-gb", type=float, default=256.0)
+    s.add_argument("--out", default=str(report.RESULTS / "sim_shards.json"))
     return ap
+
+
+def _shards(args: argparse.Namespace) -> None:
+    cpu_s_per_gb = args.cpu_s_per_gb or shards.measured_cpu_s_per_gb()
+    tier = shards.ShardTier(
+        shards=1,
+        nic_bps=args.nic_gbps * 1e9,
+        cpu_s_per_gb=cpu_s_per_gb,
+        learner_bps=args.learner_gbps * 1e9,
+    )
+    method = Method(
+        name="streaming",
+        sync_every_steps=args.sync_every_steps,
+        fragments=args.fragments,
+        overlap_steps=args.overlap,
+        codec=args.codec,
+    )
+    memory = (args.rss_per_owned, args.shard_ram_gb * 1e9)
+    rows = shards.plan_rows(
+        shards.PLAN_MODELS, args.learners, args.cores, tier, method, args.target, memory
+    )
+    print(f"ingest {cpu_s_per_gb:.2f} CPU s per GB pushed; NIC {args.nic_gbps:g} Gbit/s per shard")
+    print(shards.plan_text(rows, args.target))
+    settings = {"cpu_s_per_gb": cpu_s_per_gb, "nic_gbps": args.nic_gbps, "target": args.target}
+    settings |= {"rss_per_owned": args.rss_per_owned, "shard_ram_gb": args.shard_ram_gb}
+    report.write_json({**settings, "rows": rows}, report.Path(args.out))
+    print(f"wrote {args.out}")
 
 
 def _method(args: argparse.Namespace) -> tuple[Scenario, Method]:
@@ -103,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "all":
             _all(args)
+        elif args.command == "shards":
+            _shards(args)
         elif args.command == "run":
             scenario, method = _method(args)
             r = simulate(scenario, method, args.bandwidth_gbps * 1e9)

@@ -96,6 +96,8 @@ class FragmentPlan:
 
     stage_bytes: list[dict[int, int]]
     codec: str
+    fragment_values: tuple[int, ...] = ()
+    """Parameters per fragment (what the server's shard ownership balances, as fp32)."""
 
     @classmethod
     def build(
@@ -105,6 +107,7 @@ class FragmentPlan:
         groups = layout_fragments(names, numels, fragments, layout)
         wire = codec_id(codec)
         stage_bytes: list[dict[int, int]] = []
+        values = tuple(sum(numels[i] for i in group) for group in groups)
         for group in groups:
             per_stage: dict[int, int] = {}
             for index in group:
@@ -112,7 +115,7 @@ class FragmentPlan:
                 payload, scales = encoded_sizes(wire, numels[index])
                 per_stage[stage] = per_stage.get(stage, 0) + payload + scales
             stage_bytes.append(per_stage)
-        return cls(stage_bytes, codec)
+        return cls(stage_bytes, codec, values)
 
     @property
     def fragment_bytes(self) -> list[int]:

@@ -79,7 +79,9 @@ def test_promtool_accepts_both_endpoints(daemons: dict[str, int]) -> None:
             [promtool, "check", "metrics"], input=body, capture_output=True, text=True
         )
         assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"
-    assert 'diloco_server_fragment_version{fragment="0"}' in scrape(daemons["server"])
+    server = scrape(daemons["server"])
+    assert 'diloco_server_fragment_version{fragment="0"}' in server
+    assert "process_resident_memory_bytes " in server  # the dashboard's memory per shard
 
 
 def test_prometheus_scrapes_training_progress(daemons: dict[str, int], tmp_path: Path) -> None:
@@ -123,3 +125,15 @@ def test_prometheus_scrapes_training_progress(daemons: dict[str, int], tmp_path:
         assert float(live[0]["value"][1]) == 1
     finally:
         prometheus.stop()
+
+
+def test_promtool_accepts_the_compose_prometheus_configs() -> None:
+    # deploy/prometheus/k8s.yml needs Kubernetes service discovery, which Debian's
+    # prometheus package leaves out; its shape is checked in tests/unit/test_deploy_manifests.py.
+    promtool = require("promtool")
+    for name in ("compose.yml", "host.yml"):
+        path = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / name
+        result = subprocess.run(
+            [promtool, "check", "config", str(path)], capture_output=True, text=True
+        )
+        assert result.returncode == 0, f"{name}: {result.stdout}{result.stderr}"

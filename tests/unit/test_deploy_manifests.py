@@ -6,6 +6,7 @@ import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -43,9 +44,27 @@ def _env_names(cls) -> set[str]:
     return {env_name(name) for name in settings(cls)}
 
 
+# Values from the downward API stand in as a placeholder of the right type.
+DOWNWARD_PLACEHOLDERS = {
+    "metadata.name": "pod-name",
+    "metadata.labels['apps.kubernetes.io/pod-index']": "0",
+}
+
+
 def pod_env(container: dict) -> dict[str, str]:
-    # Values from the downward API stand in as a placeholder of the right type.
-    return {e["name"]: e.get("value", "pod-name") for e in container["env"]}
+    return {
+        e["name"]: e["value"] if "value" in e else DOWNWARD_PLACEHOLDERS[downward_path(e)]
+        for e in container["env"]
+    }
+
+
+def downward_path(env: dict) -> str:
+    return env["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+def shard_addresses(server: str) -> list[str]:
+    """The learner's --server: one address, or every shard's in shard order."""
+    return server.split(",") if isinstance(server, str) else list(server)
 
 
 def test_k8s_server_agrees_with_the_code() -> None:
@@ -73,13 +92,60 @@ def test_k8s_learners_agree_with_the_code() -> None:
     (container,) = pod["spec"]["containers"]
     assert container["command"][0] in SCRIPTS
     config = config_of(container["command"][0], pod_env(container))
-    service = objects[("Service", "diloco-server")]
-    host, _, port = config.server.rpartition(":")
-    assert host == service["metadata"]["name"]
-    assert int(port) in {p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"}
+    sts = objects[("StatefulSet", "diloco-server")]
+    service = objects[("Service", sts["spec"]["serviceName"])]
+    grpc_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    # Every shard by its DNS name under the headless Service, in shard (ordinal) order.
+    name, domain = sts["metadata"]["name"], service["metadata"]["name"]
+    expected = [f"{name}-{i}.{domain}:{grpc_port}" for i in range(sts["spec"]["replicas"])]
+    assert shard_addresses(config.server) == expected
     metrics_port = port_of(config.metrics_listen)
     assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == metrics_port
     assert [p["containerPort"] for p in container["ports"]] == [metrics_port]
+
+
+def test_k8s_shards_are_a_statefulset_with_a_volume_and_dns_name_each() -> None:
+    objects = k8s_objects()
+    sts = objects[("StatefulSet", "diloco-server")]
+    (container,) = sts["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert sts["spec"]["replicas"] >= 2
+    assert int(env["DILOCO_SHARD_COUNT"]["value"]) == sts["spec"]["replicas"]
+    # The shard index is the pod's ordinal, from the label Kubernetes >= 1.28 sets.
+    assert downward_path(env["DILOCO_SHARD_INDEX"]) == (
+        "metadata.labels['apps.kubernetes.io/pod-index']"
+    )
+    config = config_of(container["command"][0], pod_env(container))
+    assert (config.shard_index, config.shard_count) == (0, sts["spec"]["replicas"])
+    service = objects[("Service", sts["spec"]["serviceName"])]
+    assert service["spec"]["clusterIP"] == "None"  # headless: one DNS record per shard
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
+@pytest.mark.parametrize("version", ["1.28", "1.33"])
+def test_k8s_manifests_pass_the_api_schema_strictly(version: str) -> None:
+    for kind, name in k8s_objects():
+        doc = k8s_objects()[(kind, name)]
+        assert kubernetes_validate.validate(doc, version, strict=True) == version
+
+
+def test_prometheus_in_the_cluster_scrapes_every_annotated_pod_with_its_shard() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus" / "k8s.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    relabel = {r.get("target_label", r.get("action")): r for r in job["relabel_configs"]}
+    assert relabel["keep"]["source_labels"] == [
+        "__meta_kubernetes_pod_annotation_prometheus_io_scrape"
+    ]
+    assert relabel["shard"]["source_labels"] == [
+        "__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index"
+    ]
+    pod = k8s_objects()[("StatefulSet", "diloco-server")]["spec"]["template"]["metadata"]
+    assert pod["annotations"]["prometheus.io/scrape"] == "true"
+    assert relabel["job"]["source_labels"] == ["__meta_kubernetes_pod_label_app"]
+    assert pod["labels"]["app"] == "diloco-server"  # the job the dashboard's panels select
 
 
 @pytest.mark.parametrize("cls", [ServerConfig, LearnerConfig])
@@ -100,10 +166,14 @@ def compose_services(*files: str) -> dict[str, dict]:
     return services
 
 
-def scrape_targets(prometheus_file: str) -> set[str]:
+def scrape_targets(prometheus_file: str) -> dict[str, dict[str, str]]:
+    """Each static target of a Prometheus config, with the labels it is given."""
     config = yaml.safe_load((DEPLOY / "prometheus" / prometheus_file).read_text())
     return {
-        t for job in config["scrape_configs"] for s in job["static_configs"] for t in s["targets"]
+        t: s.get("labels", {})
+        for job in config["scrape_configs"]
+        for s in job["static_configs"]
+        for t in s["targets"]
     }
 
 
@@ -121,20 +191,26 @@ def scrape_targets(prometheus_file: str) -> set[str]:
 def test_compose_agrees_with_the_code(files, prometheus_file, host_of) -> None:
     services = compose_services(*files)
     daemons = {n: s for n, s in services.items() if s.get("command", [""])[0] in CONFIGS}
+    configs = {n: config_of(s["command"][0], s["environment"]) for n, s in daemons.items()}
     assert len([n for n in daemons if n.startswith("learner")]) == 3
-    expected_targets = set()
-    server_listen = None
-    for name, spec in daemons.items():
-        config = config_of(spec["command"][0], spec["environment"])
-        host = host_of(name, config.metrics_listen)
-        expected_targets.add(f"{host}:{port_of(config.metrics_listen)}")
-        if name == "server":
-            server_listen = config.listen
-            assert config.state_dir == spec["volumes"][0].split(":")[1]
-    for name, spec in daemons.items():
-        if name != "server":
-            config = config_of(spec["command"][0], spec["environment"])
-            assert port_of(config.server) == port_of(server_listen)
+    shards = sorted(n for n in daemons if daemons[n]["command"][0] == "diloco-server")
+    assert shards == ["server-0", "server-1"]
+    expected_targets: dict[str, dict[str, str]] = {}
+    addresses = []
+    for name, config in configs.items():
+        target = f"{host_of(name, config.metrics_listen)}:{port_of(config.metrics_listen)}"
+        expected_targets[target] = {}
+        if name in shards:
+            index = shards.index(name)
+            assert (config.shard_index, config.shard_count) == (index, len(shards))
+            assert config.state_dir == daemons[name]["volumes"][0].split(":")[1]
+            expected_targets[target] = {"shard": str(index)}
+            addresses.append(f"{host_of(name, config.listen)}:{port_of(config.listen)}")
+    volumes = [daemons[n]["volumes"][0].split(":")[0] for n in shards]
+    assert len(set(volumes)) == len(shards)  # a state volume each
+    for name, config in configs.items():
+        if name not in shards:
+            assert shard_addresses(config.server) == addresses
     assert scrape_targets(prometheus_file) == expected_targets
     assert any(s["environment"].get("DILOCO_SLOWDOWN") for s in daemons.values())
 

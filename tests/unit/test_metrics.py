@@ -73,6 +73,21 @@ def test_merged_tokens_count_a_push_once_its_round_has_closed() -> None:
     assert merged.totals({0: 2, 1: 1}.__getitem__) == {0: 137, 1: 50}
 
 
+def test_dashboard_has_a_panel_per_shard_for_versions_ingest_learners_and_memory() -> None:
+    dashboard = json.loads((REPO / "deploy" / "grafana" / "diloco.json").read_text())
+    per_shard = [
+        t["expr"] for panel in dashboard["panels"] for t in panel["targets"] if "shard" in t["expr"]
+    ]
+    for metric in (
+        "diloco_server_fragment_version",
+        "diloco_server_received_bytes_total",
+        "diloco_server_live_learners",
+        "process_resident_memory_bytes",
+    ):
+        (expr,) = [e for e in per_shard if metric in e]
+        assert re.search(r"by \(shard\b", expr), expr
+
+
 def test_metrics_of_two_servers_do_not_mix() -> None:
     first, second = ServerMetrics(), ServerMetrics()
     first.contribution(3)
@@ -132,7 +147,7 @@ def test_dashboard_uses_only_metrics_the_code_exports() -> None:
     exported = generate_latest(server.registry).decode() + learner_exposition()
     dashboard = json.loads((REPO / "deploy" / "grafana" / "diloco.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    names = {name for expr in exprs for name in re.findall(r"diloco_\w+", expr)}
-    assert len(names) >= 12
+    names = {name for expr in exprs for name in re.findall(r"(?:diloco|process)_\w+", expr)}
+    assert len(names) >= 12 and "process_resident_memory_bytes" in names
     for name in names:
         assert re.search(rf"^{name}[{{ ]", exported, re.M), f"{name} is not exported"

@@ -1,14 +1,19 @@
 """bench/sim: virtual clock, link model, a hand-computed scenario, the reproductions' checks."""
 
+import json
 import math
+from dataclasses import replace
 
 import pytest
 
+from bench.sim import cli
 from bench.sim.engine import EventQueue, Link, VirtualClock
 from bench.sim.goodput import FailureScenario, QuorumSetup, elastic_dp_goodput, quorum_goodput
 from bench.sim.model import FragmentPlan, ModelSpec, allreduce_factor, bits_per_value
 from bench.sim.reproduce import ordering_problems, table4_methods
+from bench.sim.shards import ShardTier, measured_cpu_s_per_gb, shards_needed, simulate_shards
 from bench.sim.throughput import Method, Scenario, required_bandwidth, simulate
+from server.sharding import fragment_owners
 
 # -- virtual clock and event queue -------------------------------------------------------
 
@@ -199,3 +204,70 @@ def test_required_bandwidth_is_infinite_when_latency_is_the_limit() -> None:
         spec=ModelSpec(layers=2, d_model=8, vocab_size=0), step_time_s=0.1, latency_s=1.0
     )
     assert math.isinf(required_bandwidth(scenario, Method(name="dp"), 0.5))
+
+
+# -- the shard tier ------------------------------------------------------------------------
+
+
+def small_shard_case(cpu_fragment_s: float, learners: int = 2):
+    """Six one-layer fragments, one pushed per 1 s step, τ = 5 steps; each fragment's round
+    costs a shard `cpu_fragment_s` of ingest CPU (NIC and learner links far faster)."""
+    spec = ModelSpec(layers=6, d_model=64, vocab_size=0)
+    scenario = Scenario(spec=spec, step_time_s=1.0, replicas=learners)
+    method = Method(name="streaming", sync_every_steps=6, fragments=6, overlap_steps=5)
+    fragment_gb = learners * FragmentPlan.build(spec, 6, "bf16").fragment_bytes[0] / 1e9
+    tier = ShardTier(shards=1, nic_bps=1e15, learner_bps=1e15, cpu_s_per_gb=1.0)
+    return scenario, method, replace(tier, cpu_s_per_gb=cpu_fragment_s / fragment_gb)
+
+
+def test_shards_own_fragments_by_the_servers_rule() -> None:
+    scenario, method, tier = small_shard_case(cpu_fragment_s=0.001)
+    plan = FragmentPlan.build(scenario.spec, 6, "bf16")
+    assert plan.fragment_values == tuple(b // 2 for b in plan.fragment_bytes)  # bf16: 2 B/value
+    busy = simulate_shards(scenario, method, replace(tier, shards=2)).shard_busy
+    owners = fragment_owners([4 * n for n in plan.fragment_values], 2)
+    assert sorted(owners) == [0, 0, 0, 1, 1, 1] and len(busy) == 2
+    with pytest.raises(ValueError, match="own none"):
+        simulate_shards(scenario, method, replace(tier, shards=7))
+
+
+def test_a_shard_that_queues_fragments_stalls_and_more_shards_relieve_it() -> None:
+    # 2 s of CPU per fragment, a fragment every 1 s: one shard falls behind and the
+    # learners wait; with three shards each takes two fragments per 6 s and keeps up.
+    scenario, method, tier = small_shard_case(cpu_fragment_s=2.0)
+    one = simulate_shards(scenario, method, tier)
+    three = simulate_shards(scenario, method, replace(tier, shards=3))
+    assert one.utilisation < 0.7 and max(one.shard_busy) > 0.95
+    assert three.utilisation == pytest.approx(1.0)
+    alone = simulate_shards(scenario, method, replace(tier, shards=6))
+    assert alone.fragment_latency_s == pytest.approx(2.0, rel=0.1)  # no queue: the CPU time
+    assert shards_needed(scenario, method, tier, 0.95) in (2, 3)
+
+
+def test_no_shard_count_helps_when_one_fragment_misses_its_window() -> None:
+    # 8 s of CPU for one fragment's round, which must be back within about 5 steps.
+    scenario, method, tier = small_shard_case(cpu_fragment_s=8.0)
+    assert math.isinf(shards_needed(scenario, method, tier, 0.95))
+    widest = simulate_shards(scenario, method, replace(tier, shards=6))
+    assert widest.fragment_latency_s == pytest.approx(8.0, rel=0.05)
+    with pytest.raises(ValueError, match="shards must be >= 1"):
+        replace(tier, shards=0)
+
+
+def test_ingest_cost_is_read_from_the_measurement(tmp_path) -> None:
+    path = tmp_path / "ingest.json"
+    path.write_text(json.dumps({"payload_mb": 1.0, "ingest_server_cpu_ms_per_push": 2.097152}))
+    assert measured_cpu_s_per_gb(path) == pytest.approx(2.0)
+
+
+def test_shard_plan_command_writes_rows_for_each_model(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    argv = ["shards", "--learners", "8", "--cores", "8", "--cpu-s-per-gb", "2"]
+    cli.main([*argv, "--shard-ram-gb", "100", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["model"] for r in rows] == ["10B", "100B"]
+    for row in rows:
+        params = ModelSpec.of_size(float(row["model"][:-1]) * 1e9, row["P"] * 3).total_params
+        assert row["shards_for_memory"] == math.ceil(4 * params * 4.0 / 100e9)
+        assert row["utilisation_P_shards"] >= row["utilisation_1_shard"]
+    assert "shards for 95%" in capsys.readouterr().out
