@@ -118,10 +118,10 @@ def test_the_loss_gap_is_judged_both_ways_and_only_when_asked() -> None:
 def fake_run(duration_s: float, events: list[Event], tokens: list[float], losses: list) -> Run:
     watch = Watch(dict, lambda: 0.0)
     # One server process whose fragments move on once a second, merging `tokens` so far.
-    watch.server = [server(t, 7, (t, t), total) for t, total in enumerate(tokens)]
+    watch.servers = {"server": [server(t, 7, (t, t), total) for t, total in enumerate(tokens)]}
     points = [LearnerPoint(t, 5, step, loss, (0, 0)) for step, (t, loss) in enumerate(losses)]
     watch.learners = {"learner-0": points}
-    return Run(events, [], watch, duration_s)
+    return Run(events, [], watch, fragments=2, duration_s=duration_s)
 
 
 def test_evaluate_compares_losses_at_equal_tokens_and_rates_faults() -> None:
