@@ -150,11 +150,12 @@ def test_a_pull_whose_reader_stops_reading_is_cut(start_service) -> None:
     service = start_service(stream_idle_timeout_s=1.0)
     with create_channel(f"127.0.0.1:{service.port}") as channel:
         stub = pb_grpc.AggregatorStub(channel)
-        # 8 MB: more than HTTP/2's window and the transports' buffers take unread.
-        session = joined_session(stub, "a", initialize=True, size=2_000_000)
+        # 32 MB: far more than HTTP/2's window (which BDP probing grows) and the loopback
+        # sockets' buffers take unread, so the server's send must block.
+        session = joined_session(stub, "a", initialize=True, size=8_000_000)
         request = pb.PullParamsRequest(session_id=session, have_version=-1)
         pull = stub.PullParams(request, metadata=((LEARNER_ID_HEADER, "a"),), timeout=60)
-        assert next(pull).header.payload_bytes > 8_000_000
+        assert next(pull).header.payload_bytes > 32_000_000
         registry = service.metrics.registry
         cut = "diloco_server_cut_calls_total"
         wait_until(lambda: registry.get_sample_value(cut, {"reason": "idle"}) == 1, 20, "cut")
