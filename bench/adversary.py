@@ -22,7 +22,7 @@ import json
 import math
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench.simulate import Setup, Variant, run_variant
@@ -83,15 +83,13 @@ def main() -> int:
         eval_batches=16,
     )
     if args.quick:
-        setup = Setup(
-            n_layer=2,
+        setup = replace(
+            setup,
             n_embd=32,
             n_head=2,
             block_size=32,
             batch_size=4,
-            learners=8,
             steps=100,
-            eval_every=50,
             eval_batches=4,
             corpus_max_bytes=300_000,
         )

@@ -9,13 +9,12 @@ by common/codec.py; here they meet, a tensor at a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from common.checksum import crc32
 from common.codec import codec_id, decode_values, encode_values
-from common.errors import InvalidArgument, ResourceExhausted
 from common.fragment_wire import (
     WireTensor,
     check_fragment,
@@ -69,30 +68,6 @@ def chunks(data: bytes, size: int = CHUNK_BYTES) -> Iterator[bytes]:
     """Split `data` into pieces of at most `size` bytes (none for empty data)."""
     for start in range(0, len(data), size):
         yield data[start : start + size]
-
-
-def join_chunks(pieces: Iterable[bytes], announced_bytes: int, limit_bytes: int) -> bytearray:
-    """Reassemble chunks, refusing anything larger than announced or than the limit.
-
-    Memory follows the bytes that have arrived, not the size a sender announces: a sender
-    that announces the largest payload and then trickles (or sends nothing) holds only what
-    it sent. Each chunk is appended to one growing buffer and then dropped, so a push being
-    received costs about its own size (a list of chunks joined at the end cost twice that).
-    """
-    if announced_bytes > limit_bytes:
-        raise ResourceExhausted(
-            f"announced payload of {announced_bytes} bytes exceeds the limit of {limit_bytes}"
-        )
-    received = bytearray()
-    for piece in pieces:
-        if len(received) + len(piece) > announced_bytes:
-            raise InvalidArgument(f"payload is longer than the announced {announced_bytes} bytes")
-        received += piece
-    if len(received) != announced_bytes:
-        raise InvalidArgument(
-            f"payload ended after {len(received)} of the announced {announced_bytes} bytes"
-        )
-    return received
 
 
 def params_crc32(tensors: Sequence[torch.Tensor]) -> int:

@@ -3,13 +3,12 @@
 import pytest
 import torch
 
-from common.errors import InvalidArgument, ResourceExhausted
+from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import (
     chunks,
     decode_fragment,
     encode_fragment,
-    join_chunks,
     max_fragment_bytes,
     params_crc32,
 )
@@ -28,19 +27,10 @@ def test_fragment_round_trip_through_chunks(codec: str) -> None:
     assert len(data) <= max_fragment_bytes(SHAPES, pb.CODEC_FP32)
     pieces = list(chunks(data, size=7))
     assert all(len(p) <= 7 for p in pieces)
-    decoded = decode_fragment(join_chunks(pieces, len(data), len(data)), SHAPES)
+    decoded = decode_fragment(b"".join(pieces), SHAPES)
     if codec == "fp32":
         assert all(torch.equal(a, b) for a, b in zip(tensors, decoded, strict=True))
     assert [tuple(t.shape) for t in decoded] == SHAPES
-
-
-def test_join_chunks_enforces_announced_size_and_limit() -> None:
-    with pytest.raises(ResourceExhausted, match="exceeds the limit"):
-        join_chunks([b"x"], announced_bytes=100, limit_bytes=10)
-    with pytest.raises(InvalidArgument, match="longer than the announced"):
-        join_chunks([b"abc", b"def"], announced_bytes=4, limit_bytes=10)
-    with pytest.raises(InvalidArgument, match="ended after 3"):
-        join_chunks([b"abc"], announced_bytes=4, limit_bytes=10)
 
 
 def test_decode_fragment_rejects_garbage_wrong_count_and_mixed_codecs() -> None:
