@@ -1,11 +1,13 @@
 """The quality benchmarks' rows: a codec name, a top-k fraction and H make a training run.
 
-Every DiLoCo row is Streaming DiLoCo with the same recipe (P = 4 strided fragments, τ = 1,
-merge α = 0.05, the outer Nesterov at lr 0.7 and momentum 0.9 warmed up from 0.5 over 20
-rounds); rows differ only in the codec both ways, its top-k fraction (sparse codecs), H, the
-inner learning rate, the step count and the seed. Runs are deterministic (the same row gives
-the same numbers on the same machine), so finished runs are kept in a cache file keyed by
-the full setup and variant and reused by bench/quality.py and bench/quality_sweep.py.
+Every DiLoCo row is Streaming DiLoCo with the daemons' best recipe (P = 4 strided fragments,
+τ = 1, merge α = 0.05, the outer Nesterov at lr 0.7 and momentum 0.9 warmed up from 0.5 over
+20 rounds; sparse codecs: server/config.py's SPARSE_OUTER step instead, pulls that keep
+twice the push's top-k fraction and the learners' decayed error-feedback residual); rows
+differ only in the codec both ways, its top-k fraction (sparse codecs), H, the inner
+learning rate, the step count and the seed. Runs are deterministic (the same row gives the
+same numbers on the same machine), so finished runs are kept in a cache file keyed by the
+full setup and variant and reused by bench/quality.py and bench/quality_sweep.py.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import json
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.simulate import Result, Setup, Variant, run_variant
+from learner.config import SyncConfig
+from server.config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
 
 # The wire codec names the rows use, and the common/codec.py codecs they send each way.
 WIRE = {
@@ -26,6 +30,8 @@ WIRE = {
     "sparse-2bit": "sparse_2bit",
     "sparse-fp4": "sparse_fp4",
 }
+SPARSE_WIRE = ("sparse_2bit", "sparse_fp4")
+FEEDBACK_DECAY = SyncConfig().push_feedback_decay
 WARMUP_ROUNDS = 20  # outer momentum warm-up (docs/RESULTS.md, "The outer momentum warm-up")
 MERGE_ALPHA = 0.05  # Streaming's merge weight of the local fragment (docs/RESULTS.md)
 FRAGMENTS = 4
@@ -37,7 +43,7 @@ class Row:
 
     codec: str
     h: int = 0
-    topk: float = 0.0  # sparse codecs: the fraction of each chunk's values sent
+    topk: float = 0.0  # sparse codecs: the fraction of each chunk's values pushed (pulls: 2x)
     lr: float = 1e-3  # the inner learning rate (data-parallel: its learning rate)
     steps: int = 1000
     seed: int = 0
@@ -62,7 +68,7 @@ class Row:
             return Variant(name=self.method, kind="dp")
         if self.codec not in WIRE:
             raise ValueError(f"unknown codec {self.codec!r}; choose one of {', '.join(WIRE)}")
-        return Variant(
+        variant = Variant(
             name=self.method,
             sync_every_steps=self.h,
             fragments=FRAGMENTS,
@@ -73,14 +79,27 @@ class Row:
             outer_momentum_warmup_rounds=WARMUP_ROUNDS,
             topk_fraction=self.topk,
         )
+        if WIRE[self.codec] not in SPARSE_WIRE:
+            return variant
+        # The daemons' defaults for sparse codecs: the outer step, the decayed residual, and a
+        # pull that keeps twice the push's fraction (server/config.py: 1/32 for 1/64).
+        pull = min(1.0, 2 * self.topk) if self.topk else SPARSE_PULL_TOPK_FRACTION
+        return replace(
+            variant,
+            **SPARSE_OUTER,
+            push_feedback_decay=FEEDBACK_DECAY,
+            server={"pull_topk_fraction": pull},
+        )
 
 
 def cache_key(setup: Setup, variant: Variant) -> str:
-    """The run's identity: every setting but the name (a dense row's unset top-k left out,
-    so that its key does not depend on a setting it never uses)."""
+    """The run's identity: every setting but the name (a dense row's unset top-k and
+    residual decay left out, so that its key does not depend on settings it never uses)."""
     fields = {**asdict(variant), "name": ""}
     if not variant.topk_fraction:
         del fields["topk_fraction"]
+    if variant.push_codec not in SPARSE_WIRE:
+        del fields["push_feedback_decay"]
     return json.dumps({"setup": asdict(setup), "variant": fields}, sort_keys=True)
 
 

@@ -69,6 +69,7 @@ class Variant:
     push_codec: str = "fp32"
     pull_codec: str = "fp32"
     topk_fraction: float = 0.0  # sparse codecs, both ways (0: the codec's default)
+    push_feedback_decay: float = 1.0  # sparse pushes: the learner's residual decay
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)
@@ -242,14 +243,18 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             lease_s=1e9,
             fragments=variant.fragments,
             pull_codec=variant.pull_codec,
-            **({"pull_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
             outer_lr=variant.outer_lr,
             outer_momentum=variant.outer_momentum,
             outer_momentum_warmup_rounds=variant.outer_momentum_warmup_rounds,
             outer_momentum_warmup_start=variant.outer_momentum_warmup_start,
             # The guard compares a push with its fragment's recent pushes; during a learning
             # rate warm-up each round's pseudo-gradient is legitimately several times the last.
-            **{"max_norm_ratio": 0.0, **variant.server},
+            # `server` may also set the pull's own top-k fraction.
+            **{
+                "max_norm_ratio": 0.0,
+                **({"pull_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
+                **variant.server,
+            },
         )
     )
     tokens_per_step = setup.batch_size * setup.block_size
@@ -291,6 +296,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             variant.merge_alpha,
             tokens_per_step=tokens_per_step,
             **({"push_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
+            push_feedback_decay=variant.push_feedback_decay,
         )
         sync.load_globals()
         sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=data_seed(setup) + i)

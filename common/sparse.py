@@ -167,7 +167,11 @@ def _quantize(
 
 
 def fragment_with_feedback(
-    tensors: Sequence[torch.Tensor], codec: str | int, k: int, residuals: list[torch.Tensor]
+    tensors: Sequence[torch.Tensor],
+    codec: str | int,
+    k: int,
+    residuals: list[torch.Tensor],
+    decay: float = 1.0,
 ) -> bytes:
     """The serialized sparse EncodedFragment of tensors + residuals, updating each residual
     in place to what the message leaves out ((t + e) − decoded). Residuals live on the
@@ -176,6 +180,8 @@ def fragment_with_feedback(
     codec = codec_id(codec) if isinstance(codec, str) else codec
     encoded = []
     for t, residual in zip(tensors, residuals, strict=True):
+        if decay != 1.0:
+            residual.mul_(decay)
         flat = (t.detach().reshape(-1).to(torch.float32) + residual.view(-1)).contiguous()
         if not bool(torch.isfinite(flat).all()):
             raise ValueError("cannot encode a tensor with NaN or infinite values")

@@ -98,6 +98,10 @@ class SyncConfig:
     sparse sparse_2bit or sparse_fp4 (with error feedback; common/sparse.py)."""
     push_topk_fraction: float = DEFAULT_TOPK_FRACTION
     """Sparse push codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
+    push_feedback_decay: float = 0.95
+    """Sparse push codecs: β in e ← β·e + Δ, the error-feedback residual's decay before each
+    push adds its pseudo-gradient (SparseLoCo's momentum-like accumulator; 1: no decay).
+    Pair it with the server's outer step for sparse pulls (docs/RESULTS.md, sparse)."""
     dynamic_local_updates: bool = False
     """quorum/async: a learner k times slower than the live learners' median step time
     advances its schedule k steps per inner step, so it syncs after k times fewer steps of
@@ -117,6 +121,10 @@ class SyncConfig:
             )
         if not 0 < self.push_topk_fraction <= 1:
             raise ValueError(f"push_topk_fraction must be in (0, 1], got {self.push_topk_fraction}")
+        if not 0 <= self.push_feedback_decay <= 1:
+            raise ValueError(
+                f"push_feedback_decay must be in [0, 1], got {self.push_feedback_decay}"
+            )
         if self.sync_every_steps < 1:
             raise ValueError(f"sync_every_steps must be >= 1, got {self.sync_every_steps}")
         if not 0 <= self.merge_alpha <= 1:

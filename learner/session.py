@@ -233,6 +233,7 @@ class SyncSession:
             blocking=blocking,
             start_step=self.progress.inner_steps,  # push_phase counts inner steps
             push_topk_fraction=cfg.push_topk_fraction,
+            push_feedback_decay=cfg.push_feedback_decay,
         )
         for replica in replicas:
             if replica.fragment_id not in kept:

@@ -173,6 +173,7 @@ class StreamingSync:
         blocking: bool = True,
         start_step: int = 0,
         push_topk_fraction: float = DEFAULT_TOPK_FRACTION,
+        push_feedback_decay: float = 1.0,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
         Otherwise (quorum, async) keep training and merge on arrival. A sparse `push_codec`
@@ -185,6 +186,7 @@ class StreamingSync:
         self.transport = transport
         self.push_codec = push_codec
         self.push_sparse_k = topk_k(push_topk_fraction)
+        self.push_feedback_decay = push_feedback_decay
         # Sparse pushes: per fragment, what earlier pushes left out (error feedback). Held
         # for the learner's life; a restarted learner starts again from zeros.
         self.push_residuals: dict[int, list[torch.Tensor]] = {}
@@ -239,7 +241,9 @@ class StreamingSync:
         if fragment not in self.push_residuals:
             self.push_residuals[fragment] = [torch.zeros_like(d) for d in deltas]
         residuals = self.push_residuals[fragment]
-        return fragment_with_feedback(deltas, self.push_codec, self.push_sparse_k, residuals)
+        return fragment_with_feedback(
+            deltas, self.push_codec, self.push_sparse_k, residuals, self.push_feedback_decay
+        )
 
     def merge_phase(self, step: int) -> list[int]:
         """Merge the fragments due after this step; wait for one that is not back only in

@@ -18,11 +18,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.codec import CODECS
+from common.codec import CODECS, codec_id
 from common.config import build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
 from common.sparse import DEFAULT_TOPK_FRACTION
+from common.sparse_wire import SPARSE_CODECS
 from server.influence import ROBUST_MERGES
 from server.network_config import LimitsConfig, NetworkConfig
 from server.policy import MODES, WEIGHTINGS
@@ -117,11 +118,26 @@ class RoundsConfig:
 RECIPES = ("best", "paper")
 
 
+# The best recipe for sparse pull codecs: plain averaged descent, no outer momentum, and a
+# pull that keeps twice the push's default fraction. Sparse pushes carry their own momentum
+# in the learners' decayed error-feedback residual (learner --push-feedback-decay,
+# SparseLoCo); a server momentum on top of it, behind a pull that sends 1/64 of each chunk a
+# round, keeps pushing along directions the learners have not been sent yet and diverges.
+# The mean of K top-k pushes is denser than each; a pull of 1/32 carries it with less delay
+# (docs/RESULTS.md, "Headline rows").
+SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_momentum_warmup_rounds": 0}
+SPARSE_PULL_TOPK_FRACTION = 2 * DEFAULT_TOPK_FRACTION
+
+
 def outer_recipe(values: Mapping[str, Any]) -> dict[str, Any]:
     """The outer settings of the recipe named in `values` (the dataclass defaults are best,
-    less the momentum warm-up in async mode, which has no rounds to warm up over)."""
+    less the momentum warm-up in async mode, which has no rounds to warm up over, and with
+    SPARSE_OUTER's step for the sparse pull codecs)."""
     if values.get("recipe") == "paper":
         return {"outer_momentum_warmup_rounds": 0, "pull_codec": "fp4_e3m0"}
+    pull_codec = values.get("pull_codec")
+    if pull_codec in CODECS and codec_id(pull_codec) in SPARSE_CODECS:
+        return {**SPARSE_OUTER, "pull_topk_fraction": SPARSE_PULL_TOPK_FRACTION}
     if values.get("mode") == "async":
         return {"outer_momentum_warmup_rounds": 0}
     return {}
@@ -179,7 +195,8 @@ class StreamingConfig:
     """Codec of the outer updates learners pull (with error feedback): fp4_e2m1, fp4_e3m0,
     the top-k sparse sparse_2bit or sparse_fp4; fp32 pulls snapshots."""
     pull_topk_fraction: float = DEFAULT_TOPK_FRACTION
-    """Sparse pull codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
+    """Sparse pull codecs: the fraction of values kept in every chunk of 4096 (1/64: 64;
+    the best recipe's default for a sparse pull codec: 1/32, SPARSE_PULL_TOPK_FRACTION)."""
     update_log_versions: int = 16
     """Quantized updates kept per fragment; a learner further behind gets a snapshot."""
     update_log_fraction: float = 0.5

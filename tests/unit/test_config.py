@@ -18,7 +18,12 @@ from common.config import (
     settings,
 )
 from learner.config import DilocoSyncConfig, LearnerConfig
-from server.config import AggregatorConfig, ServerConfig
+from server.config import (
+    SPARSE_OUTER,
+    SPARSE_PULL_TOPK_FRACTION,
+    AggregatorConfig,
+    ServerConfig,
+)
 
 
 def build(argv: list[str], environ: dict[str, str]) -> ServerConfig:
@@ -262,6 +267,23 @@ def test_the_best_recipe_is_the_default_and_paper_restores_the_papers_settings()
     given = {"recipe": "paper", "outer_momentum_warmup_rounds": 5}
     assert build_config(ServerConfig, {**given, "insecure": True}).outer.recipe == "paper"
     assert build_config(AggregatorConfig, given).outer.outer_momentum_warmup_rounds == 5
+
+
+def test_sparse_pulls_default_to_the_plain_outer_step_and_pushes_to_a_decayed_residual() -> None:
+    sparse = build_config(AggregatorConfig, {"pull_codec": "sparse_2bit"})
+    got = {name: getattr(sparse.outer, name) for name in SPARSE_OUTER}
+    assert got == SPARSE_OUTER and SPARSE_OUTER["outer_momentum"] == 0
+    assert sparse.streaming.pull_topk_fraction == SPARSE_PULL_TOPK_FRACTION == 1 / 32
+    given = build_config(AggregatorConfig, {"pull_codec": "sparse_fp4", "outer_momentum": 0.5})
+    assert (given.outer.outer_momentum, given.outer.outer_lr) == (0.5, SPARSE_OUTER["outer_lr"])
+    paper = build_config(AggregatorConfig, {"recipe": "paper", "pull_codec": "sparse_2bit"})
+    assert (paper.outer.outer_momentum, paper.outer.outer_lr) == (0.9, 0.7)  # DiLoCo's step
+    dense = build_config(AggregatorConfig, {"pull_codec": "fp4_e2m1"}).outer
+    assert (dense.outer_momentum, dense.outer_lr) == (0.9, 0.7)
+    assert build_config(AggregatorConfig, {}).streaming.pull_topk_fraction == 1 / 64
+    assert build_config(LearnerConfig, {}).sync.push_feedback_decay == 0.95
+    with pytest.raises(ValueError, match="push_feedback_decay must be in \\[0, 1\\], got 1.5"):
+        build_config(LearnerConfig, {"push_feedback_decay": 1.5})
 
 
 @pytest.mark.parametrize("cls", [LearnerConfig, AggregatorConfig])

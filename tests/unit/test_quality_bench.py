@@ -11,6 +11,8 @@ import pytest
 from bench import quality, quality_runs
 from bench.quality_runs import Row, run_rows
 from bench.simulate import Result
+from learner.config import SyncConfig
+from server.config import SPARSE_OUTER
 
 
 def test_a_row_is_a_codec_name_h_and_learning_rate() -> None:
@@ -22,9 +24,20 @@ def test_a_row_is_a_codec_name_h_and_learning_rate() -> None:
     sparse = Row("sparse-2bit", h=20, topk=1 / 64)
     assert (sparse.variant().push_codec, sparse.variant().topk_fraction) == ("sparse_2bit", 1 / 64)
     assert sparse.method == "sparse-2bit top-k 1/64 H=20 lr 0.001"
+    # Sparse rows take the daemons' defaults for sparse codecs; dense rows keep the Nesterov.
+    got = sparse.variant()
+    assert (got.outer_lr, got.outer_momentum, got.outer_momentum_warmup_rounds) == tuple(
+        SPARSE_OUTER[name]
+        for name in ("outer_lr", "outer_momentum", "outer_momentum_warmup_rounds")
+    )
+    assert got.push_feedback_decay == SyncConfig().push_feedback_decay
+    assert got.server == {"pull_topk_fraction": 1 / 32}  # twice the push's
+    assert (fp4.outer_lr, fp4.outer_momentum) == (0.7, 0.9)
     dense, other = Row("fp4", h=20), Row("fp4", h=50)
     key = quality_runs.cache_key(dense.setup(), dense.variant())
-    assert "topk_fraction" not in key  # a dense row's key leaves out the setting it never uses
+    # A dense row's key leaves out the settings its run never uses.
+    assert "topk_fraction" not in key and "push_feedback_decay" not in key
+    assert "push_feedback_decay" in quality_runs.cache_key(sparse.setup(), got)
     assert key != quality_runs.cache_key(other.setup(), other.variant())
     with pytest.raises(ValueError, match="unknown codec 'fp3'"):
         Row("fp3", h=20).variant()

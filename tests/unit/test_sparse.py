@@ -92,6 +92,20 @@ def test_learner_error_feedback_sends_what_was_left_out(codec: int) -> None:
     assert all(bool(r.abs().sum() > 0) for r in residuals)
 
 
+@pytest.mark.parametrize("codec", SPARSE)
+def test_a_decayed_residual_sends_the_decayed_sum(codec: int) -> None:
+    """With decay β the message is S(Δ + β·e) and the new residual what that leaves out."""
+    shape = (SPARSE_CHUNK,)
+    delta, residual = randn(*shape, seed=1), randn(*shape, seed=2)
+    summed = delta + 0.5 * residual
+    undecayed = fragment_with_feedback([summed], codec, 64, [torch.zeros(shape)])
+    data = fragment_with_feedback([delta], codec, 64, [residual], decay=0.5)
+    assert data == undecayed
+    sent = decode_fragment(data, [shape])[0]
+    assert torch.equal(residual, summed - sent)
+    assert bool(residual.abs().sum() > 0)
+
+
 @pytest.mark.parametrize("codec", ["sparse_2bit", "sparse_fp4"])
 def test_server_error_feedback_served_plus_residual_is_the_exact_trajectory(codec: str) -> None:
     """The served parameters (what learners rebuild) plus the server's residual equal the
