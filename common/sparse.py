@@ -13,9 +13,11 @@ k/4 and 3k/4, rounded to bfloat16), or to E2M1 with one E8M0 scale per chunk
 Error feedback (SparseLoCo, arXiv 2508.15706): what a sparse message leaves out is not lost.
 The sender keeps a residual e per tensor, sends S(x + e) and keeps e ← (x + e) − decode(S(x +
 e)); the dropped entries and the rounding error join the next message. The learner does this
-for its pushes (fragment_with_feedback); the server does it for its pulls, a chunk range at a
-time (server/fragment.py), applying exactly the decoded values it sends, so the replicas that
-learners rebuild from the updates are bit-identical to the server's.
+for its pushes (fragment_with_feedback), decaying e by β before adding x (SparseLoCo's
+e ← β·e + x, learner --push-feedback-decay), which makes e the outer momentum: the server
+then takes plain averaged steps (server/config.py). The server does it for its pulls, a
+chunk range at a time (server/fragment.py), applying exactly the decoded values it sends,
+so the replicas that learners rebuild from the updates are bit-identical to the server's.
 
 The selection runs in C on CPU tensors (common/fp4_kernel.c: topk_select, a radix select per
 chunk, bit-identical to the torch path; tests/unit/test_sparse.py checks it) and as torch.topk
@@ -173,10 +175,11 @@ def fragment_with_feedback(
     residuals: list[torch.Tensor],
     decay: float = 1.0,
 ) -> bytes:
-    """The serialized sparse EncodedFragment of tensors + residuals, updating each residual
-    in place to what the message leaves out ((t + e) − decoded). Residuals live on the
-    tensors' devices; the caller starts them at zeros. Raises ValueError on non-finite
-    values."""
+    """The serialized sparse EncodedFragment of tensors + decay·residuals, updating each
+    residual in place to what the message leaves out ((t + decay·e) − decoded): with decay
+    < 1 the residual is SparseLoCo's momentum-like accumulator, not only a carry. Residuals
+    live on the tensors' devices; the caller starts them at zeros. Raises ValueError on
+    non-finite values."""
     codec = codec_id(codec) if isinstance(codec, str) else codec
     encoded = []
     for t, residual in zip(tensors, residuals, strict=True):

@@ -177,7 +177,8 @@ class StreamingSync:
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
         Otherwise (quorum, async) keep training and merge on arrival. A sparse `push_codec`
-        keeps `push_topk_fraction` of every chunk and feeds back what it leaves out."""
+        keeps `push_topk_fraction` of every chunk and feeds back what it leaves out, its
+        residual decayed by `push_feedback_decay` before each push."""
         if not 0 <= merge_alpha <= 1:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
         self.params = list(params)
