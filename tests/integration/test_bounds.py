@@ -251,9 +251,11 @@ def test_streams_per_connection_are_bounded(tmp_path: Path) -> None:
             heartbeat = pb.HeartbeatRequest(session_id=session)
             metadata = ((LEARNER_ID_HEADER, "a"),)
             queued = stub.Heartbeat.future(heartbeat, metadata=metadata, timeout=30)
-            # The other connection answers while the fifth call on the first one waits.
+            # The other connection answers while the fifth call on the first one waits (a
+            # heartbeat takes milliseconds when the connection lets it through).
             pb_grpc.AggregatorStub(other).Heartbeat(heartbeat, metadata=metadata, timeout=10)
-            assert not queued.done()
+            with pytest.raises(grpc.FutureTimeoutError):
+                queued.result(timeout=3)
             polls[0].cancel()
             assert queued.result(timeout=20).server_epoch  # it ran once a stream was free
             for poll in polls[1:]:
