@@ -235,6 +235,40 @@ def test_silent_pushes_are_cut_and_leases_hold(tmp_path: Path, release) -> None:
         server.stop()
 
 
+def trickled_push(session: str, release: threading.Event) -> Iterator[pb.PushFragmentRequest]:
+    """A push announcing 4,000 bytes that sends one byte every 0.2 s (never idle for long),
+    for at most 30 s; then nothing until `release`."""
+    header = pb.PushHeader(
+        session_id=session, kind=pb.PUSH_KIND_DELTA, base_version=0, payload_bytes=4000
+    )
+    yield pb.PushFragmentRequest(header=header)
+    for _ in range(150):
+        if release.wait(0.2):
+            return
+        yield pb.PushFragmentRequest(chunk=b"\0")
+    release.wait(60)
+
+
+def test_a_push_that_trickles_is_cut(tmp_path: Path, release) -> None:
+    """Never idle for the idle timeout (5 s), but at 5 bytes/s: cut once its whole-stream
+    bound (5 s + 4,000 bytes at 1,000 bytes/s) has passed."""
+    flags = ("--stream-idle-timeout-s", "5", "--stream-min-bytes-per-s", "1000")
+    server = server_process(tmp_path, "server", *flags, metrics=True)
+    try:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AggregatorStub(channel)
+            session = joined_session(stub, "a", initialize=True, size=2000)  # 8,000 bytes
+            metadata = ((LEARNER_ID_HEADER, "a"),)
+            push = stub.PushFragment.future(trickled_push(session, release), metadata=metadata)
+            error = push.exception(timeout=60)
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "stream_min_bytes_per_s" in error.details()
+            cut = "diloco_server_cut_calls_total"
+            wait_until(lambda: metric(server, cut, reason="slow") == 1, 10, "1 cut counted")
+    finally:
+        server.stop()
+
+
 def test_streams_per_connection_are_bounded(tmp_path: Path) -> None:
     """With 4 long-polls open on a connection of a server that allows 4 streams, a fifth call
     on it waits for one to end; another connection is not affected."""
