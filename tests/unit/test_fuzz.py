@@ -20,6 +20,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import encode_fragment
+from tests.support.fuzz import decoders
 from tests.support.fuzz.cases import (
     CaseReport,
     check_call,
@@ -28,6 +29,7 @@ from tests.support.fuzz.cases import (
     run_servicer_case,
 )
 from tests.support.fuzz.decoders import run_decoder_case
+from tests.support.fuzz.sparse_forgery import MUST_REFUSE
 from tests.support.fuzz.strategies import Call
 from tests.support.fuzz.world import (
     FINGERPRINT,
@@ -118,6 +120,21 @@ def test_harness_reports_a_crash_and_a_hang(monkeypatch) -> None:
     monkeypatch.setattr(world.aggregator, "heartbeat", lambda *args, **kwargs: time.sleep(2))
     outcome = call_direct(world.servicer, "Heartbeat", request, timeout_s=0.2)
     assert outcome.hang
+
+
+@settings(CI, max_examples=40)
+@given(st.data())
+def test_harness_reports_a_decoder_that_takes_forged_sparse_tensors(data: st.DataObject) -> None:
+    """Decoders that take any sparse tensor must be caught on every forgery that the sparse
+    checks have to refuse, and only on those."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoders, "decode", lambda msg, shape: torch.zeros(shape))
+        patch.setattr(decoders, "decode_fragment", lambda data, shapes: [torch.zeros(shapes[0])])
+        patch.setattr(decoders, "apply_updates", lambda replica, data, have: have + 1)
+        report = decoders._forged_sparse_case(data.draw, CaseReport())
+    forgery = report.labels[0].split(":")[0].removeprefix("sparse_")
+    accepted = [v for v in report.violations if v.startswith("wrong_status")]
+    assert len(accepted) == (forgery in MUST_REFUSE), (forgery, report.violations)
 
 
 def test_small_delta_is_reproducible() -> None:
