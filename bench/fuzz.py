@@ -8,9 +8,11 @@ Each servicer case is a fresh aggregator and 1-4 hostile calls (tests/support/fu
 each decoder case one hostile input to decode_fragment, decode or apply_updates; each concurrent
 case 4 threads of hostile calls and the good learner's push at once. Cases are drawn by
 hypothesis (generation only: no shrinking, nothing stored), in batches of at most BATCH with
-seeds seed, seed+1, ... until the asked number have run; a line on stderr after each batch shows
-progress. With --workers 2 or more the three fuzzers run in that many processes at once (the
-cases drawn are the same). Writes bench/results/fuzz.json; exits 1 on any violation.
+seeds seed, seed+1, ... until the asked number have run; after each batch a line on stderr
+shows progress and each fuzzer's tally so far is saved in a temporary folder (named at start),
+so a run stopped early keeps what it checked. With --workers 2 or more the three fuzzers run
+in that many processes at once (the cases drawn are the same). Writes bench/results/fuzz.json;
+exits 1 on any violation.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import json
 import logging
 import multiprocessing
+import shutil
 import sys
 import tempfile
 import time
@@ -43,9 +46,10 @@ BATCH = 5000  # cases per hypothesis run: a progress line after each
 FUZZERS = ("servicer", "decoder", "concurrent")
 
 
-def run(cases: int, run_case, first_seed: int, name: str = "") -> Tally:
+def run(cases: int, run_case, first_seed: int, name: str = "", save=None) -> Tally:
     """Run `run_case(draw)` on at least `cases` generated inputs, in batches of at most BATCH
-    (fewer only if hypothesis stops early on 20 batches more than the cases need)."""
+    (fewer only if hypothesis stops early on 20 batches more than the cases need); after each
+    batch, `save(tally, elapsed_s)` when given."""
     tally = Tally()
     started = time.perf_counter()
     for batch in range(-(-cases // BATCH) + 20):
@@ -72,11 +76,20 @@ def run(cases: int, run_case, first_seed: int, name: str = "") -> Tally:
         one()
         elapsed = time.perf_counter() - started
         print(f"{name}: {tally.cases}/{cases} cases in {elapsed:.0f} s", file=sys.stderr)
+        if save:
+            save(tally, elapsed)
     return tally
 
 
-def run_fuzzer(name: str, cases: int, first_seed: int, transport: str) -> dict:
-    """One fuzzer's summary with its wall time (run in this process or in a worker)."""
+def run_fuzzer(name: str, cases: int, first_seed: int, transport: str, partial: Path) -> dict:
+    """One fuzzer's summary with its wall time (run in this process or in a worker); after
+    each batch the summary so far goes to partial/NAME.json, so a run stopped early keeps
+    what it has checked."""
+
+    def save(tally: Tally, elapsed_s: float) -> None:
+        summary = {**tally.summary(), "wall_s": elapsed_s, "complete": tally.cases >= cases}
+        (partial / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+
     logging.disable(logging.WARNING)  # every refusal logs a warning: millions of lines
     torch.set_num_threads(1)
     set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "diloco-hypothesis")  # not the repo
@@ -90,7 +103,7 @@ def run_fuzzer(name: str, cases: int, first_seed: int, transport: str) -> dict:
             "concurrent": run_concurrent_case,
         }[name]
         started = time.perf_counter()
-        tally = run(cases, run_case, first_seed, name)
+        tally = run(cases, run_case, first_seed, name, save)
         return {**tally.summary(), "wall_s": time.perf_counter() - started}
 
 
@@ -113,15 +126,19 @@ def main() -> None:
     decoder_cases = args.cases if args.decoder_cases is None else args.decoder_cases
     counts = {"servicer": args.cases, "decoder": decoder_cases, "concurrent": args.concurrent_cases}
     results = {"transport": args.transport, "seed": args.seed, "workers": args.workers}
+    partial = Path(tempfile.mkdtemp(prefix="diloco-fuzz-"))
+    print(f"each fuzzer's tally so far, after every batch: {partial}", file=sys.stderr)
     started = time.perf_counter()
     if args.workers == 1:
         for name in FUZZERS:
-            results[name] = run_fuzzer(name, counts[name], args.seed, args.transport)
+            results[name] = run_fuzzer(name, counts[name], args.seed, args.transport, partial)
     else:
         spawn = multiprocessing.get_context("spawn")  # no forked torch or gRPC state
         with ProcessPoolExecutor(args.workers, mp_context=spawn) as pool:
             futures = {
-                name: pool.submit(run_fuzzer, name, counts[name], args.seed, args.transport)
+                name: pool.submit(
+                    run_fuzzer, name, counts[name], args.seed, args.transport, partial
+                )
                 for name in FUZZERS
             }
             for name in FUZZERS:
@@ -145,6 +162,7 @@ def main() -> None:
             print(f"  {example[:2000]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
+    shutil.rmtree(partial)
     print(f"{results['total_cases']} cases in {results['wall_s']:.0f} s; wrote {args.out}")
     raise SystemExit(1 if failed else 0)
 

@@ -204,3 +204,15 @@ def test_join_survives_absurd_schedule_reports(
     joined = call_direct(world.servicer, "Join", request, timeout_s=10)
     assert not joined.crash and joined.code is None, joined
     assert 0 <= joined.response.schedule_step <= 2**53
+
+
+def test_long_run_saves_its_tally_after_every_batch(monkeypatch) -> None:
+    """bench/fuzz.py keeps what a run has checked after each batch, so one stopped early
+    (or a lost worker) still has its figures."""
+    from bench import fuzz
+
+    monkeypatch.setattr(fuzz, "BATCH", 4)
+    saved: list[int] = []
+    case = lambda draw: CaseReport(labels=[str(draw(st.integers(0, 2**40)))])  # noqa: E731
+    tally = fuzz.run(10, case, 0, "t", lambda t, _: saved.append(t.cases))
+    assert tally.cases == 10 and saved == [4, 8, 10]
