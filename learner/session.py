@@ -13,6 +13,7 @@ the built-in job drives too, goes through this class. A session opened with `res
 (replicas saved in a checkpoint, learner/checkpoint.py) pulls only the updates since the
 saved versions and keeps its local parameters for every fragment the run has not moved
 meanwhile (learner/replicas.py). Heartbeats and the pace they steer are learner/heartbeat.py's.
+With N > 1 shards, a shard that lost the session is joined again alone (learner/rejoin.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from learner.config import DilocoSyncConfig
 from learner.connection import connect
 from learner.heartbeat import Heartbeat, Membership, Pacer
 from learner.progress import Progress, SavedReplica
+from learner.rejoin import ShardRejoins
 from learner.replicas import ReplicaLoader
 from learner.streaming import Schedule, StreamingSync, merge
 from learner.transport import GrpcTransport
@@ -57,10 +59,7 @@ class SyncSession:
         self.progress = progress
         self.tokens_per_step = tokens_per_step
         self.client = connect(config.connection)
-        self.membership = Membership()  # replaced at each join
-        self.transport = GrpcTransport(
-            self.client, lambda: self.membership.session_id, self.client.shard_of
-        )
+        self.transport = GrpcTransport(self.client, lambda: self.membership.session_id)
         self.replicas = ReplicaLoader(self.client, self.transport, self.params, self.learner_id)
         self.sync: StreamingSync | None = None
         self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)
@@ -78,6 +77,12 @@ class SyncSession:
         )
         self._rejoin_backoff = Backoff()
         self._next_rejoin_s = 0.0
+        self.shard_rejoins = ShardRejoins(self)
+
+    @property
+    def membership(self) -> Membership:
+        """The session as last joined (the client's: it changes at a shard's rejoin too)."""
+        return self.client.membership()
 
     def open(self, stop: threading.Event) -> None:
         """Connect, join (pulling the global parameters) and start heartbeats.
@@ -119,9 +124,9 @@ class SyncSession:
             return self._try_rejoin()  # keeps training while the server is away
         if self.sync is None:
             raise RuntimeError("after_inner_step() before the session joined")
+        changed = self.shard_rejoins.try_rejoin()  # N > 1: the shards that lost the session
         try:
             advance = self.pacer.steps(self.progress)
-            changed = False
             for _ in range(advance):
                 self.step += 1
                 self.sync.push_phase(self.step, self.progress.inner_steps)
@@ -134,7 +139,7 @@ class SyncSession:
                 raise
             log.warning("learner=%s session lost (%s); rejoining", self.learner_id, err.details())
             self._resync.set()
-            return False
+            return changed
 
     def drain(self) -> None:
         """Merge the syncs still in flight after the last step, then take the global values.
@@ -156,6 +161,8 @@ class SyncSession:
         if self._resync.is_set():
             self._join()
             self.progress.rejoins += 1
+        else:
+            self.shard_rejoins.try_rejoin(wait=True)  # the syncs it lost ended with nothing
         self.sync.load_globals()
 
     def close(self) -> None:
@@ -203,9 +210,9 @@ class SyncSession:
         cfg = self.config.sync
         self.transport.abandon_in_flight()  # they belong to the old session, if any
         # The tokens of one step, declared: the server refuses pushes that claim more.
+        # The client then holds the new membership (one object: a heartbeat that already
+        # uses the new session sees the new epoch).
         reply = self.client.join(self.learner_id, self.fingerprint, self.tokens_per_step)
-        # One object: a heartbeat that already uses the new session sees the new epoch.
-        self.membership = Membership(reply.session_id, reply.server_epoch, reply.lease_s)
         log.info(
             "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s",
             self.learner_id,

@@ -10,19 +10,22 @@ first join and, when the run has N > 1 shards, uses the addresses the server adv
 join goes to every shard; all must agree on N, their index (the list is in index order), the
 map id (fingerprint, P, layout, owners) and the mode, or the join fails with ShardMapError
 naming the shard. The learner's session is then one id per shard, joined with SEP, and the
-server epoch one hash of the shards' epochs, so a restarted shard reads as a new epoch.
+server epoch one hash of the shards' epochs (`membership()`).
 
 Heartbeats go to every shard; a shard that cannot be reached is skipped (its fragments keep
-their last known versions) while the live ones renew the lease. With one shard every call
-is passed through as it is.
+their last known versions) while the live ones renew the lease. With N > 1, a shard that no
+longer knows the learner's session (it restarted: a new epoch, or NOT_FOUND for a push, pull
+or heartbeat) is noted in `lost_shards()`, and `join_shard` joins it alone again, whatever
+the other shards' state: one that is down meanwhile does not hold it up. With one shard
+every call is passed through as it is, and a lost session is the caller's to rejoin.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import grpc
 
@@ -30,10 +33,12 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import is_retryable
 from common.traffic import Traffic
 from learner.client import AggregatorClient
+from learner.heartbeat import Membership
+from learner.shard_sessions import SEP, ShardSessions, combined_epoch, session_of
+
+__all__ = ["SEP", "ShardMapError", "ShardedClient", "check_agreement", "combined_epoch"]
 
 log = logging.getLogger("diloco.learner")
-
-SEP = ","  # between the shards' session ids (server session ids are hex)
 
 
 class ShardMapError(ValueError):
@@ -60,8 +65,9 @@ class ShardedClient:
         self.addresses = list(addresses)
         self._clients = [self._client(a) for a in self.addresses]
         self._owners: list[int] = []  # owner shard of each fragment, from the last join
-        self._epochs: list[int] = []  # each shard's epoch at the last join
         self._versions: list[int] = []  # last known version of each fragment
+        self._map: pb.JoinResponse | None = None  # shard 0's join reply: the map to agree on
+        self.sessions = ShardSessions()
 
     @property
     def target(self) -> str:
@@ -70,6 +76,14 @@ class ShardedClient:
     @property
     def shard_count(self) -> int:
         return len(self._clients)
+
+    def membership(self) -> Membership:
+        """The session as joined, what every call goes with (ShardSessions.membership)."""
+        return self.sessions.membership()
+
+    def lost_shards(self) -> set[int]:
+        """The shards (N > 1) that no longer know the current session: join_shard them."""
+        return self.sessions.lost()
 
     def shard_of(self, fragment_id: int) -> int:
         """The shard that owns the fragment (0 before the first join)."""
@@ -116,29 +130,46 @@ class ShardedClient:
         join = (learner_id, fingerprint, tokens_per_step)
         if len(self._clients) == 1:
             reply = self._clients[0].join(*join)
-            self._remember(reply, [0] * len(reply.fragments), [reply.server_epoch])
+            self._owners = [0] * len(reply.fragments)
+            self._remember([reply], reply.fragments)
             return reply
         replies = [self._join_shard(i, *join) for i in range(self.shard_count)]
         check_agreement(replies, self.addresses)
-        owners = list(replies[0].fragment_owners)
+        self._map, self._owners = replies[0], list(replies[0].fragment_owners)
         reply = pb.JoinResponse()
         reply.CopyFrom(replies[0])
-        reply.session_id = SEP.join(r.session_id for r in replies)
-        reply.server_epoch = combined_epoch([r.server_epoch for r in replies])
-        reply.lease_s = min(r.lease_s for r in replies)
         reply.schedule_step = max(r.schedule_step for r in replies)
         for fragment in reply.fragments:
-            owner = replies[owners[fragment.fragment_id]]
+            owner = replies[self._owners[fragment.fragment_id]]
             fragment.version = _version_in(owner.fragments, fragment.fragment_id)
-        self._remember(reply, owners, [r.server_epoch for r in replies])
+        self._remember(replies, reply.fragments)
+        joined = self.sessions.membership()
+        reply.session_id, reply.server_epoch = joined.session_id, joined.server_epoch
+        reply.lease_s = joined.lease_s
+        return reply
+
+    def join_shard(
+        self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens: int = 0
+    ) -> pb.JoinResponse:
+        """Join one shard again (N > 1; join's arguments), the others' sessions untouched.
+        ShardMapError, naming the shard, unless it agrees with the map of the last join."""
+        if self._map is None:
+            raise RuntimeError("join_shard() before the first join")
+        reply = self._join_shard(shard, learner_id, fingerprint, tokens)
+        check_shard(reply, shard, self.addresses[shard], self.shard_count, self._map)
+        for fid, owner in enumerate(self._owners):
+            if owner == shard:
+                self._versions[fid] = _version_in(reply.fragments, fid)
+        self.sessions.joined(shard, reply)
         return reply
 
     def push(self, header: pb.PushHeader, payload: bytes) -> pb.PushFragmentResponse:
         shard = self.shard_of(header.fragment_id)
         mine = pb.PushHeader()
         mine.CopyFrom(header)
-        mine.session_id = _session_of(header.session_id, shard, self.shard_count)
-        return self._clients[shard].push(mine, payload)
+        mine.session_id = session_of(header.session_id, shard, self.shard_count)
+        with self._noting_lost(shard, mine.session_id):
+            return self._clients[shard].push(mine, payload)
 
     def pull(
         self,
@@ -149,17 +180,16 @@ class ShardedClient:
         wait_timeout_s: float = 0.0,
     ) -> tuple[pb.PullHeader, bytes]:
         shard = self.shard_of(fragment_id)
-        return self._clients[shard].pull(
-            _session_of(session_id, shard, self.shard_count),
-            fragment_id,
-            have_version,
-            wait_for_version,
-            wait_timeout_s,
-        )
+        session = session_of(session_id, shard, self.shard_count)
+        with self._noting_lost(shard, session):
+            return self._clients[shard].pull(
+                session, fragment_id, have_version, wait_for_version, wait_timeout_s
+            )
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        """Every shard's heartbeat in one answer. A lost session on any shard (NOT_FOUND) is
-        raised once all were tried; an unreachable shard only if none answered."""
+        """Every shard's heartbeat in one answer, whose epoch is the session's as joined. A
+        shard that lost the session (NOT_FOUND, or a new epoch) is noted in lost_shards();
+        an error is raised only if no shard answered (an unreachable one first)."""
         if self.shard_count == 1:
             return self._clients[0].heartbeat(request)
         replies: dict[int, pb.HeartbeatResponse] = {}
@@ -167,9 +197,10 @@ class ShardedClient:
         for shard, client in enumerate(self._clients):
             mine = pb.HeartbeatRequest()
             mine.CopyFrom(request)
-            mine.session_id = _session_of(request.session_id, shard, self.shard_count)
+            mine.session_id = session_of(request.session_id, shard, self.shard_count)
             try:
-                replies[shard] = client.heartbeat(mine)
+                with self._noting_lost(shard, mine.session_id):
+                    replies[shard] = client.heartbeat(mine)
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     lost = err
@@ -178,10 +209,11 @@ class ShardedClient:
                     log.warning("shard=%d heartbeat failed: %s", shard, err.code().name)
                 else:
                     raise
-        if lost is not None:
-            raise lost
+                continue
+            if replies[shard].server_epoch != self.sessions.epoch_of(shard):
+                self.sessions.note_lost(shard, mine.session_id)  # it restarted
         if not replies:
-            raise unreachable
+            raise unreachable or lost
         return self._merged(replies)
 
     def leave(self, session_id: str) -> None:
@@ -189,7 +221,7 @@ class ShardedClient:
         failed = None
         for shard, client in enumerate(self._clients):
             try:
-                client.leave(_session_of(session_id, shard, self.shard_count))
+                client.leave(session_of(session_id, shard, self.shard_count))
             except grpc.RpcError as err:
                 failed = failed or err
         if failed is not None:
@@ -215,21 +247,31 @@ class ShardedClient:
                 f"{err.code().name}: {err.details()}"
             ) from err
 
-    def _remember(self, reply: pb.JoinResponse, owners: list[int], epochs: list[int]) -> None:
-        self._owners, self._epochs = owners, epochs
-        self._versions = [f.version for f in sorted(reply.fragments, key=lambda f: f.fragment_id)]
+    def _remember(
+        self, replies: Sequence[pb.JoinResponse], fragments: Sequence[pb.FragmentLayout]
+    ) -> None:
+        """Take in a join of every shard: `replies` in shard order, `fragments` each at its
+        owner's version."""
+        self._versions = [f.version for f in sorted(fragments, key=lambda f: f.fragment_id)]
+        self.sessions.joined_all(replies)
+
+    @contextmanager
+    def _noting_lost(self, shard: int, session: str) -> Iterator[None]:
+        """Note the shard as lost if it answers NOT_FOUND to a call in `session`."""
+        try:
+            yield
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                self.sessions.note_lost(shard, session)
+            raise
 
     def _merged(self, replies: dict[int, pb.HeartbeatResponse]) -> pb.HeartbeatResponse:
         for fid, owner in enumerate(self._owners):
             if owner in replies and fid < len(replies[owner].fragment_versions):
                 self._versions[fid] = replies[owner].fragment_versions[fid]
         first = replies[min(replies)]
-        epochs = [
-            replies[s].server_epoch if s in replies else epoch
-            for s, epoch in enumerate(self._epochs)
-        ]
         return pb.HeartbeatResponse(
-            server_epoch=combined_epoch(epochs),
+            server_epoch=self.sessions.membership().server_epoch,
             fragment_versions=self._versions,
             live_learners=max(r.live_learners for r in replies.values()),
             median_step_time_s=first.median_step_time_s,
@@ -240,42 +282,30 @@ class ShardedClient:
 def check_agreement(replies: Sequence[pb.JoinResponse], addresses: Sequence[str]) -> None:
     """ShardMapError, naming the shard, unless every shard's join reply fits the list and
     the first shard's map (N, index, map id, mode)."""
-    first = replies[0]
     for shard, (reply, address) in enumerate(zip(replies, addresses, strict=True)):
-        where = f"shard {shard} at {address}"
-        if reply.shard_count != len(addresses):
-            raise ShardMapError(
-                f"{where} is one of {max(1, reply.shard_count)} shards, but --server lists "
-                f"{len(addresses)}: list every shard of the run, in index order"
-            )
-        if reply.shard_index != shard:
-            raise ShardMapError(
-                f"{where} is shard {reply.shard_index}: list the shards in index order"
-            )
-        if reply.map_id != first.map_id:
-            raise ShardMapError(
-                f"{where} has shard map {reply.map_id}, shard 0 has {first.map_id}: the "
-                f"shards disagree on the fingerprint, fragments, layout or shard count"
-            )
-        if reply.mode != first.mode:
-            raise ShardMapError(f"{where} runs mode {reply.mode}, shard 0 runs {first.mode}")
+        check_shard(reply, shard, address, len(addresses), replies[0])
 
 
-def combined_epoch(epochs: Sequence[int]) -> int:
-    """One 63-bit epoch for the shards' epochs: it changes when any shard restarts."""
-    if len(epochs) == 1:
-        return epochs[0]
-    digest = hashlib.sha256(",".join(str(e) for e in epochs).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
-def _session_of(session_id: str, shard: int, shard_count: int) -> str:
-    """The shard's own session id within the learner's (an unknown one passes unchanged:
-    the shard answers NOT_FOUND, and the learner joins again)."""
-    if shard_count == 1:
-        return session_id
-    parts = session_id.split(SEP)
-    return parts[shard] if len(parts) == shard_count else session_id
+def check_shard(
+    reply: pb.JoinResponse, shard: int, address: str, shard_count: int, first: pb.JoinResponse
+) -> None:
+    """ShardMapError, naming the shard, unless its join reply says it is shard `shard` of
+    `shard_count` with shard 0's map id and mode (`first`: shard 0's reply)."""
+    where = f"shard {shard} at {address}"
+    if reply.shard_count != shard_count:
+        raise ShardMapError(
+            f"{where} is one of {max(1, reply.shard_count)} shards, but --server lists "
+            f"{shard_count}: list every shard of the run, in index order"
+        )
+    if reply.shard_index != shard:
+        raise ShardMapError(f"{where} is shard {reply.shard_index}: list the shards in index order")
+    if reply.map_id != first.map_id:
+        raise ShardMapError(
+            f"{where} has shard map {reply.map_id}, shard 0 has {first.map_id}: the "
+            f"shards disagree on the fingerprint, fragments, layout or shard count"
+        )
+    if reply.mode != first.mode:
+        raise ShardMapError(f"{where} runs mode {reply.mode}, shard 0 runs {first.mode}")
 
 
 def _version_in(fragments: Sequence[pb.FragmentLayout], fragment_id: int) -> int:

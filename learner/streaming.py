@@ -108,8 +108,9 @@ class Transport(Protocol):
     ) -> Any:
         """Send the pseudo-gradient; returns a handle for finish_sync."""
 
-    def finish_sync(self, handle: Any) -> PullReply:
-        """Block until the fragment's new global value is available and return it."""
+    def finish_sync(self, handle: Any) -> PullReply | None:
+        """Block until the fragment's new global value is available and return it; None if
+        the sync was lost with its session (a shard that restarted: nothing to merge)."""
 
     def ready(self, handle: Any) -> bool:
         """True if finish_sync would return without waiting."""
@@ -257,6 +258,8 @@ class StreamingSync:
             started = time.perf_counter()
             reply = self.transport.finish_sync(handle)
             self.stats.blocked_s += time.perf_counter() - started
+            if reply is None:
+                continue  # the fragment is synced again when its shard is joined again
             replica = self.replicas[p]
             replica.apply(reply)
             merge(self.local(replica), replica.params, self.merge_alpha)
@@ -271,6 +274,15 @@ class StreamingSync:
 
     def in_flight(self) -> list[int]:
         return sorted(self._in_flight)
+
+    def replace(self, replica: FragmentReplica, keep_local: bool) -> None:
+        """Take a replica loaded at a rejoin of its shard, dropping the fragment's sync in
+        flight (its session is gone); the local parameters become the global ones unless
+        `keep_local` (the run has not moved the fragment since this learner's replica)."""
+        self._in_flight.pop(replica.fragment_id, None)
+        self.replicas[replica.fragment_id] = replica
+        if not keep_local:
+            merge(self.local(replica), replica.params, alpha=0.0)
 
     def load_globals(self) -> None:
         """Set the local parameters to the global replicas exactly (at start or re-sync)."""

@@ -4,7 +4,8 @@ One worker thread per shard (learner/shards.py) runs that shard's syncs in the o
 were started: push the pseudo-gradient, then long-poll PullParams until the round it joined
 has closed. A shard that is down stalls only its own fragments' syncs. The training loop
 collects the result at the merge point (StreamingSync.merge_phase) and only waits if it is
-not back yet.
+not back yet. With N > 1 shards, a sync whose shard no longer knows its session ends with
+nothing to merge (None): the learner joins that shard alone again (learner/rejoin.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import grpc
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import Stopped, call_with_retry
-from learner.client import AggregatorClient
 from learner.shards import ShardedClient
 from learner.streaming import PullReply
 
@@ -32,25 +32,21 @@ class GrpcTransport:
     """Runs syncs in order on one thread, retrying while the server is unreachable.
 
     A retry keeps the learner's session and base version; if the server came back with a
-    new epoch the session is unknown (NOT_FOUND), which reaches the training loop, and the
-    learner joins again and pulls snapshots (Learner._join).
+    new epoch the session is unknown (NOT_FOUND). With one shard that reaches the training
+    loop, and the learner joins again and pulls snapshots (SyncSession._join); with more,
+    the sync ends with None and the shard alone is joined again (ShardRejoins).
     """
 
-    def __init__(
-        self,
-        client: AggregatorClient | ShardedClient,
-        session_id: Callable[[], str],
-        shard_of: Callable[[int], int] = lambda fragment_id: 0,
-    ) -> None:
-        """`shard_of`: the shard that owns a fragment (each shard's syncs get a thread)."""
+    def __init__(self, client: ShardedClient, session_id: Callable[[], str]) -> None:
+        """Each shard's syncs (client.shard_of) get a thread of their own."""
         self.client = client
-        self.shard_of = shard_of
+        self.shard_of = client.shard_of
         self.session_id = session_id
         self.stale_pushes = 0
         self.retries = 0
-        # Set to abandon every sync started so far (at a rejoin, or at close): a new event
-        # for each generation of syncs.
-        self._abandon = threading.Event()
+        # Per shard, set to abandon every sync started so far (at a rejoin, or at close): a
+        # new event for each generation of syncs.
+        self._abandon: dict[int, threading.Event] = {}
         self.stop_requested = threading.Event()  # the learner's stop (Learner.run sets it)
         self._workers: dict[int, ThreadPoolExecutor] = {}  # by shard, made when first used
 
@@ -63,7 +59,7 @@ class GrpcTransport:
             self._workers[shard] = ThreadPoolExecutor(1, thread_name_prefix=f"sync{shard}")
         return self._workers[shard].submit(
             self._sync,
-            self._abandon,
+            self._abandon_event(shard),
             session,
             fragment_id,
             base_version,
@@ -72,26 +68,32 @@ class GrpcTransport:
             inner_steps,
         )
 
-    def finish_sync(self, handle: Future[PullReply]) -> PullReply:
-        """Wait for the sync; raises Stopped if the learner is asked to stop meanwhile (a
-        learner waiting at a merge must still answer SIGTERM)."""
+    def finish_sync(self, handle: Future[PullReply]) -> PullReply | None:
+        """Wait for the sync (None: lost with its shard's session); raises Stopped if the
+        learner is asked to stop meanwhile (a learner waiting at a merge must still answer
+        SIGTERM)."""
         while True:
             try:
                 return handle.result(timeout=0.2)
             except FutureTimeout:
                 if self.stop_requested.is_set():
                     raise Stopped() from None
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.NOT_FOUND or self.client.shard_count == 1:
+                    raise
+                return None  # the shard lost the session (ShardedClient noted it): rejoined
 
     def ready(self, handle: Future[PullReply]) -> bool:
         return handle.done()
 
-    def abandon_in_flight(self) -> None:
-        """Drop every sync started so far (their session is gone); new ones run at once."""
-        self._abandon.set()
-        self._abandon = threading.Event()
+    def abandon_in_flight(self, shard: int | None = None) -> None:
+        """Drop every sync started so far (their session is gone), or the shard's only; new
+        ones run at once."""
+        for s in list(self._abandon) if shard is None else [shard]:
+            self._abandon.pop(s, threading.Event()).set()
 
     def close(self) -> None:
-        self._abandon.set()
+        self.abandon_in_flight()
         for worker in self._workers.values():
             worker.shutdown(wait=True, cancel_futures=True)
 
@@ -109,7 +111,7 @@ class GrpcTransport:
         With retry=False an unreachable server raises at once (the caller backs off).
         """
         session = session or self.session_id()
-        abandon = abandon or self._abandon
+        abandon = abandon or self._abandon_event(self.shard_of(fragment_id))
         while True:
 
             def call():
@@ -120,6 +122,9 @@ class GrpcTransport:
             header, payload = self._retry(call, abandon, fragment_id) if retry else call()
             if header.version >= wait_for_version:
                 return PullReply(header.kind, header.version, payload, header.params_crc32)
+
+    def _abandon_event(self, shard: int) -> threading.Event:
+        return self._abandon.setdefault(shard, threading.Event())
 
     def _retry(self, call, abandon: threading.Event, fragment_id: int):
         def note(err: grpc.RpcError, delay_s: float) -> None:

@@ -3,8 +3,11 @@ and their CPU cost, and the pull latency, with no refused call."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
+from bench import scale
 from bench.scale import FRAGMENTS, TENSORS, Model, payloads_of, run
 
 
@@ -25,3 +28,15 @@ def test_two_shards_split_the_fragments_and_every_figure_is_measured() -> None:
     assert report["rss_per_owned_model"] == max(
         s["rss_per_owned_model"] for s in report["per_shard"]
     )
+
+
+def test_quick_measures_every_figure_into_its_own_file(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(scale, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["scale.py", "--quick", "--side", "64", "--shards", "1"])
+    assert scale.main() == 0
+    assert not (tmp_path / "scale.json").exists()  # the full run's figures stay as they are
+    report = json.loads((tmp_path / "scale_quick.json").read_text())
+    assert report["quick"] and [r["shards"] for r in report["runs"]] == [1]
+    (only,) = report["runs"]
+    figures = ("rss_per_owned_model", "pushes_per_s", "cpu_s_per_gb", "pull_p50_s", "pull_p99_s")
+    assert all(only[k] is not None and only[k] > 0 for k in figures)

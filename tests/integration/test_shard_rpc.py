@@ -156,3 +156,32 @@ def test_the_shards_state_dirs_export_as_one_model(start_service, tmp_path) -> N
     model = merge([read_state_params(str(d)) for d in dirs])
     assert list(model) == [spec.name for spec in FINGERPRINT]
     assert all(torch.equal(t, torch.ones(s)) for t, s in zip(model.values(), SHAPES, strict=True))
+
+
+def test_a_restarted_shard_is_joined_again_alone_while_another_is_down(start_service) -> None:
+    shards = start_shards(start_service, count=3)
+    client = ShardedClient([address(s) for s in shards])
+    reply = client.join("l0", FINGERPRINT)
+    initialize_all(client, reply.session_id)
+    assert list(reply.fragment_owners) == [1, 0, 2]
+    old = reply.session_id.split(SEP)
+
+    shards[1].stop(grace_s=0)  # down, and stays down
+    port = shards[2].port
+    shards[2].stop(grace_s=0)  # restarted: it knows no session any more
+    start_service(listen=f"127.0.0.1:{port}", fragments=3, shard_index=2, shard_count=3)
+    beat = client.heartbeat(pb.HeartbeatRequest(session_id=reply.session_id))
+    assert beat.server_epoch == reply.server_epoch and client.lost_shards() == {2}
+
+    again = client.join_shard(2, "l0", FINGERPRINT)  # shard 1 being down does not matter
+    session = client.membership().session_id
+    assert session.split(SEP) == [old[0], old[1], again.session_id] != old
+    assert client.membership().server_epoch != reply.server_epoch and not client.lost_shards()
+    # An answer about the old session is old news: the shard stays joined.
+    client.heartbeat(pb.HeartbeatRequest(session_id=reply.session_id))
+    assert not client.lost_shards()
+    header = pb.PushHeader(session_id=session, fragment_id=2, kind=pb.PUSH_KIND_INITIAL)
+    header.base_version = -1
+    client.push(header, encode_fragment([torch.ones(SHAPES[2])], "fp32"))
+    assert client.pull(session, 2, -1)[0].version == 0
+    client.close()

@@ -1,7 +1,8 @@
 """The aggregator as 3 shard processes, 2 learner processes, P = 3: each fragment synced with
-its owner only, a shard killed with -9 mid-round stalls only its own fragment, restarts from
-its state dir without losing a served version, and the replicas end bit-identical to the
-shards' parameters."""
+its owner only, a shard killed with -9 mid-round stalls only its own fragment, another shard
+killed with -9 and restarted meanwhile is joined again and syncs on while the first is still
+down, each restarts from its state dir without losing a served version, and the replicas end
+bit-identical to the shards' parameters."""
 
 from __future__ import annotations
 
@@ -102,6 +103,17 @@ def test_three_shards_two_learners_kill_9_of_one_shard(tmp_path) -> None:
         assert not shards[1].running()
         assert shard_fragments(ports[1]) == {}  # measured during the outage
         assert all(learner.running() for learner in learners.values())
+
+        # kill -9 and restart of shard 2 while shard 1 is still down: the learners join
+        # shard 2 again on their own and go on syncing shards 0 and 2.
+        (other_fid, (other_served, _)) = next(iter(shard_fragments(ports[2]).items()))
+        shards[2].kill()
+        shards[2] = start_shard(tmp_path, 2, "shard-2-restarted", port=ports[2])
+        other_restored, _ = shard_fragments(ports[2])[other_fid]
+        assert other_restored >= other_served
+        wait_until(lambda: pushed_since_start(ports[2]) == {"a", "b"}, WAIT_S, "shard 2 rejoined")
+        wait_versions_beyond(live_ports, all_versions(live_ports), 3, "syncing with shard 1 down")
+        assert not shards[1].running() and shard_fragments(ports[1]) == {}
 
         shards[1] = start_shard(tmp_path, 1, "shard-1-restarted", port=ports[1])
         restored, _ = shard_fragments(ports[1])[killed_fid]

@@ -1,0 +1,99 @@
+"""Joining again, one shard at a time, the shards that lost a learner's session (N > 1).
+
+    rejoins = ShardRejoins(session)
+    ...after each inner step...
+    changed = rejoins.try_rejoin()   # the lost shards that answer now; the rest later
+
+A shard that restarted (from its state dir, every version it served included) or dropped
+the learner's lease no longer knows its session: ShardedClient notes it (lost_shards). The
+learner then joins that shard alone again, while it trains on and syncs the other shards'
+fragments, whatever their state: one that is down meanwhile holds up nothing but its own
+fragments. The rejoined shard's fragments are loaded as at a join (learner/replicas.py): the
+updates since the replica's version are pulled, and if the shard has not moved a fragment
+since, the learner keeps its local parameters for it; otherwise they become the global ones.
+A shard still away is tried again with backoff. With one shard a lost session is the whole
+session's, and SyncSession joins again instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from common.retry import Backoff, is_retryable, retry_after_s
+from learner.progress import SavedReplica
+
+if TYPE_CHECKING:
+    from learner.session import SyncSession
+
+log = logging.getLogger("diloco.learner")
+
+
+class ShardRejoins:
+    """Rejoins the session's lost shards; runs on the training thread, like every join."""
+
+    def __init__(self, session: SyncSession) -> None:
+        self.session = session
+        self._backoff = Backoff()
+        self._next_try_s = 0.0
+
+    def try_rejoin(self, wait: bool = False) -> bool:
+        """Join each lost shard again; True if local parameters changed. A shard that cannot
+        be reached is tried again after a backoff; `wait`: raise its error instead."""
+        lost = self.session.client.lost_shards()
+        if not lost or (not wait and time.monotonic() < self._next_try_s):
+            return False
+        changed = False
+        for shard in sorted(lost):
+            try:
+                changed |= self._rejoin(shard)
+            except grpc.RpcError as err:
+                self.session.client.sessions.mark_lost(shard)  # in case it joined half way
+                # Away, or already lost again (NOT_FOUND): another try later.
+                if wait or not (is_retryable(err) or err.code() == grpc.StatusCode.NOT_FOUND):
+                    raise
+                delay = max(self._backoff.next_delay_s(), retry_after_s(err) or 0.0)
+                self._next_try_s = time.monotonic() + delay
+                log.warning(
+                    "learner=%s shard=%d unreachable (%s); training on, next try in %.1f s",
+                    self.session.learner_id,
+                    shard,
+                    err.code().name,
+                    delay,
+                )
+                return changed
+        self._backoff.reset()
+        return changed
+
+    def _rejoin(self, shard: int) -> bool:
+        """Join the shard and reload its fragments; True if local parameters changed."""
+        session, client = self.session, self.session.client
+        sync = session.sync
+        if sync is None:
+            raise RuntimeError("a shard rejoin before the session joined")
+        reply = client.join_shard(
+            shard, session.learner_id, session.fingerprint, session.tokens_per_step
+        )
+        session.transport.abandon_in_flight(shard)  # they belong to the shard's old session
+        owned = [f for f in reply.fragments if client.shard_of(f.fragment_id) == shard]
+        held = [
+            SavedReplica(r.fragment_id, list(r.indices), r.version, r.params)
+            for r in sync.replicas
+            if client.shard_of(r.fragment_id) == shard
+        ]
+        replicas, kept = session.replicas.load(client.membership().session_id, owned, held)
+        for replica in replicas:
+            sync.replace(replica, keep_local=replica.fragment_id in kept)
+        session.progress.rejoins += 1
+        log.info(
+            "learner=%s joined shard %d again epoch=%d versions=%s kept_local=%s",
+            session.learner_id,
+            shard,
+            reply.server_epoch,
+            {r.fragment_id: r.version for r in replicas},
+            sorted(kept),
+        )
+        return len(kept) < len(replicas)
