@@ -26,6 +26,7 @@ reported (deploy/watch.py).
 
 from __future__ import annotations
 
+import math
 import random
 import signal
 import time
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from deploy.cluster import Cluster
-from deploy.watch import LearnerPoint, Watch, round_times
+from deploy.watch import LearnerPoint, ServerPoint, Watch
 
 # The learner kill first and the server kill last: a killed learner has the two faults in
 # between to start again before the server kill waits for it.
@@ -72,10 +73,31 @@ def is_back(points: Sequence[LearnerPoint], pid: int, since: float) -> bool:
     return any(sum(p.versions) > baseline for p in after)
 
 
-def rounds_closed_since(watch: Watch, t: float) -> bool:
-    """Whether every shard has closed a round after `t`."""
-    shards = list(watch.servers.values())
-    return bool(shards) and all(any(r > t for r in round_times(list(p))) for p in shards)
+class LastRounds:
+    """When each shard last closed a round, as deploy/watch.py's round_times would say, read
+    from a Watch incrementally: each call looks only at the points that came since the last
+    one (a soak's Watch holds tens of thousands, and a waiting fault asks often)."""
+
+    def __init__(self) -> None:
+        self._read: dict[str, tuple[int, int | None, float]] = {}  # seen, best, last round
+
+    def closed_since(self, watch: Watch, t: float) -> bool:
+        """Whether every shard has closed a round after `t`."""
+        last = [self._update(name, points) for name, points in list(watch.servers.items())]
+        return bool(last) and all(at > t for at in last)
+
+    def _update(self, name: str, points: Sequence[ServerPoint]) -> float:
+        seen, best, last = self._read.get(name, (0, None, -math.inf))
+        count = len(points)  # the scraping thread may append meanwhile
+        for p in points[seen:count]:
+            if not p.versions:
+                continue
+            total = sum(max(v, 0) for v in p.versions)  # as round_times counts them
+            if best is not None and total > best:
+                last = p.t
+            best = total if best is None else max(best, total)
+        self._read[name] = (count, best, last)
+        return last
 
 
 class Faults:
@@ -86,6 +108,7 @@ class Faults:
         self.injected = 0
         self.last_end = -1.0  # on the cluster's clock; no fault yet
         self.since: dict[str, float] = {}  # learner name -> its last fault's or server kill's end
+        self.rounds = LastRounds()
 
     @property
     def kind(self) -> str:
@@ -119,7 +142,7 @@ class Faults:
 
     def next_target(self, cluster: Cluster, watch: Watch) -> Target | None:
         """The fault to inject now, or None while the cluster has not recovered."""
-        if not rounds_closed_since(watch, self.last_end):
+        if not self.rounds.closed_since(watch, self.last_end):
             return None
         back = self.back(cluster, watch)
         if self.kind in SERVER_KINDS:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from deploy.chaos_faults import KINDS, Faults, Target, is_back, rounds_closed_since
-from deploy.watch import LearnerPoint, ServerPoint, Watch
+from deploy.chaos_faults import KINDS, Faults, LastRounds, Target, is_back
+from deploy.watch import LearnerPoint, ServerPoint, Watch, round_times
 
 
 def learner(t: float, pid: int, versions: tuple[int, ...]) -> LearnerPoint:
@@ -36,9 +36,23 @@ def test_a_restarted_learner_is_back_after_moving_on_from_what_it_joined_with() 
 def test_rounds_must_have_closed_on_every_shard_since() -> None:
     watch = Watch(dict, lambda: 0.0)
     watch.servers = {"server": [server(1, (1, 1)), server(3, (2, 1))]}
-    assert rounds_closed_since(watch, 2) and not rounds_closed_since(watch, 3)
+    assert LastRounds().closed_since(watch, 2) and not LastRounds().closed_since(watch, 3)
     watch.servers["server-1"] = [server(1, (1,)), server(2, (1,))]
-    assert not rounds_closed_since(watch, 0)  # shard 1 never closed one
+    assert not LastRounds().closed_since(watch, 0)  # shard 1 never closed one
+
+
+def test_last_rounds_read_incrementally_agree_with_round_times() -> None:
+    rng = random.Random(3)
+    watch = Watch(dict, lambda: 0.0)
+    points: list[ServerPoint] = []
+    watch.servers = {"server": points}
+    last_rounds = LastRounds()
+    for t in range(300):  # versions that move on, stay, or restart lower (a new process)
+        versions = () if rng.random() < 0.05 else (rng.randrange(-1, 20), rng.randrange(8))
+        points.append(server(t, versions))
+        since = rng.uniform(0, t)
+        expected = any(r > since for r in round_times(points))
+        assert last_rounds.closed_since(watch, since) == expected
 
 
 @dataclass
@@ -77,9 +91,10 @@ def test_no_fault_until_a_round_closed_after_the_last_one() -> None:
     cluster = FakeCluster()
     faults = Faults(KINDS, random.Random(0))
     faults.last_end = 5.0
-    moved = {i: 6.0 for i in range(3)}
-    assert faults.next_target(cluster, watch_of(cluster, moved, rounds_at=4.0)) is None
-    target = faults.next_target(cluster, watch_of(cluster, moved, rounds_at=6.0))
+    watch = watch_of(cluster, {i: 6.0 for i in range(3)}, rounds_at=4.0)
+    assert faults.next_target(cluster, watch) is None
+    watch.servers["server"].append(server(6.5, (3, 3)))  # a round closes after the fault
+    target = faults.next_target(cluster, watch)
     assert target is not None and target.kind == "learner_kill"
 
 
