@@ -10,7 +10,8 @@ dir) and K learners as real processes, each learner behind its own FaultProxy
 (deploy/cluster.py): one gets faults, the other none, so both train under the same machine
 load. Every daemon and proxy binds port 0, so the clusters never clash; each has its own
 Watch. Each run starts once its learners have joined; the fault-free run lasts as long as
-the run with faults did.
+the run with faults did. The learners run at --learner-nice (default 10), below the servers,
+which a restart's pace depends on.
 
 The faults (deploy/chaos_faults.py) come one at a time, every kind in turn: learner kill -9
 + restart, learner SIGSTOP/SIGCONT stall, network cut between one learner and the server,
@@ -104,11 +105,12 @@ def run(
     faults: bool,
     shards: int = 1,
     length_s: Callable[[], float] | None = None,
+    learner_nice: int = LEARNER_NICE,
 ) -> Run:
     """One cluster's run, with faults (deploy/chaos_faults.py) or without. `length_s`: how
     long to run, asked again and again (inf until known); without it the schedule says."""
     fragments = max(FRAGMENTS, shards)
-    cluster = Cluster(workdir, learners, fragments, shards=shards, learner_nice=LEARNER_NICE)
+    cluster = Cluster(workdir, learners, fragments, shards=shards, learner_nice=learner_nice)
     cluster.start()
     watch = Watch(cluster.daemons, cluster.now)
     watch.start()
@@ -163,7 +165,12 @@ def run(
 
 
 def run_beside(
-    root: Path, learners: int, schedule: Schedule, seed: int, shards: int = 1
+    root: Path,
+    learners: int,
+    schedule: Schedule,
+    seed: int,
+    shards: int = 1,
+    learner_nice: int = LEARNER_NICE,
 ) -> tuple[Run, Run]:
     """The run with faults and a fault-free run at the same time: two clusters of their own
     (every daemon and proxy binds port 0, so none clash), each watched by its own Watch,
@@ -175,7 +182,10 @@ def run_beside(
 
     def with_faults() -> None:
         try:
-            runs.append(run(root / "faults", learners, schedule, seed, True, shards))
+            faulty = run(
+                root / "faults", learners, schedule, seed, True, shards, None, learner_nice
+            )
+            runs.append(faulty)
             length[0] = runs[0].duration_s
         except BaseException as err:  # re-raised below, once the fault-free run has ended
             errors.append(err)
@@ -233,6 +243,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shards", type=int, default=1, help="the aggregator as N shards")
+    parser.add_argument(
+        "--learner-nice",
+        type=int,
+        default=LEARNER_NICE,
+        help=f"the learners' niceness, 0-19 (default {LEARNER_NICE}: below the servers)",
+    )
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--quick", action="store_true", help="60 s with a fault every 6 s")
     preset.add_argument("--soak", action="store_true", help="1,000 faults (module docstring)")
@@ -247,6 +263,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--learners, --shards, --duration-s and --fault-every-s must be positive")
     if not 0 < low <= high or args.faults < 0 or not args.quiet_tail_s >= 0:
         parser.error("--fault-length-s needs 0 < MIN <= MAX; --faults, --quiet-tail-s >= 0")
+    if not 0 <= args.learner_nice <= 19:
+        parser.error(f"--learner-nice must be 0-19, got {args.learner_nice}")
     if args.max_loss_gap is not None and not args.max_loss_gap > 0:
         parser.error(f"--max-loss-gap must be positive, got {args.max_loss_gap}")
     return args
@@ -261,7 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     schedule = Schedule(
         args.duration_s, args.fault_every_s, lengths, args.faults, args.quiet_tail_s
     )
-    faulty, fault_free = run_beside(root, args.learners, schedule, args.seed, args.shards)
+    faulty, fault_free = run_beside(
+        root, args.learners, schedule, args.seed, args.shards, args.learner_nice
+    )
     report = evaluate(faulty, fault_free)
     kinds = SHARD_KINDS if args.shards > 1 else KINDS
     report.failures = verdict(report, kinds, args.faults, args.max_loss_gap)

@@ -153,6 +153,7 @@ def test_presets_fill_only_what_the_command_line_left_out() -> None:
     plain = parse_args([])
     assert plain.duration_s == 600.0 and plain.faults == 0 and plain.max_loss_gap is None
     assert plain.report is None
+    assert plain.learner_nice == 10 and parse_args(["--learner-nice", "0"]).learner_nice == 0
 
 
 @pytest.mark.parametrize(
@@ -164,6 +165,8 @@ def test_presets_fill_only_what_the_command_line_left_out() -> None:
         ["--quiet-tail-s", "-1"],
         ["--max-loss-gap", "0"],
         ["--quick", "--soak"],
+        ["--learner-nice", "-1"],
+        ["--learner-nice", "20"],
     ],
 )
 def test_bad_schedules_are_refused(argv: list[str]) -> None:

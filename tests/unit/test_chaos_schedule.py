@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from deploy import cluster as cluster_module
 from deploy.chaos_faults import KINDS, Faults, LastRounds, Target, is_back
 from deploy.watch import LearnerPoint, ServerPoint, Watch, round_times
 
@@ -135,3 +136,18 @@ def test_a_server_kill_does_not_wait_for_a_learner_still_starting() -> None:
     assert faults.starting(cluster, watch) == [] and faults.next_target(cluster, watch) is None
     cluster.learners[2].alive = False  # nor does a dead one count as starting
     assert faults.starting(cluster, watch) == []
+
+
+def test_learners_start_at_the_niceness_asked_for(monkeypatch, tmp_path) -> None:
+    started: list[list[str]] = []
+
+    def record(name: str, argv: list, *args, **kwargs) -> None:
+        started.append([str(arg) for arg in argv])
+
+    monkeypatch.setattr(cluster_module, "start_daemon", record)
+    for nice in (10, 0):
+        cluster = cluster_module.Cluster(tmp_path, 1, fragments=2, learner_nice=nice)
+        cluster.proxies[0] = []
+        cluster.start_learner(0)
+    assert started[0][:3] == ["nice", "-n", "10"] and started[0][4:6] == ["-m", "learner.main"]
+    assert started[1][1:3] == ["-m", "learner.main"]  # the interpreter itself, not nice
