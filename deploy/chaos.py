@@ -22,7 +22,9 @@ restarted server serves). The next fault is due a uniform 0.5-1.5 x --fault-ever
 the last one ended, and starts only once the cluster has recovered: every shard has closed a
 round since; a learner fault hits a learner (seeded draw) whose current process has joined
 and seen its versions move on since its own last fault and the last server kill; a server
-kill waits until every learner has. No fault starts in the last --quiet-tail-s. It checks:
+kill waits until every learner has. No fault starts in the last --quiet-tail-s, and the run
+goes on past its end (by 120 s at most) until every shard has closed a round after the last
+fault. It checks:
 
 - no learner ever saw a fragment version go backwards (its replica versions, scraped);
 - every process that should be alive at the end is;
@@ -67,6 +69,7 @@ QUIET_TAIL_S = 10.0
 JOIN_TIMEOUT_S = 300.0  # bounded, and generous: each learner imports torch first
 LOAD_EVERY_S = 10.0
 PROGRESS_EVERY = 50  # faults
+FOLLOW_S = 120.0  # at most this long past the end, waiting for a round after the last fault
 # The learners train flat out; at niceness 10 they leave a restarting server the CPU it needs
 # to import torch and restore its state (in a deployment it has a machine of its own). Both
 # clusters' learners alike, so the loss comparison stays fair.
@@ -129,7 +132,16 @@ def run(
         )
         started = cluster.now()
         ends_at, next_fault, next_load = started + schedule.duration_s, started + every_s, 0.0
-        while cluster.now() < (ends_at if length_s is None else started + length_s()):
+        while True:
+            if length_s is not None and cluster.now() >= started + length_s():
+                break
+            # The run with faults ends once training has followed its last fault too: every
+            # shard closed a round after it (within a bound; the check then fails).
+            followed = not schedule_faults.injected or schedule_faults.rounds.closed_since(
+                watch, schedule_faults.last_end
+            )
+            if length_s is None and cluster.now() >= ends_at + (0 if followed else FOLLOW_S):
+                break
             if cluster.now() >= next_load:
                 loads.append(os.getloadavg()[0])
                 next_load = cluster.now() + LOAD_EVERY_S
