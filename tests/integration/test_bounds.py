@@ -1,6 +1,6 @@
-"""Bounds on what hostile or careless callers can hold on a real server: reflection off by
-default and behind tokens, abandoned long-polls free their worker, calls open per learner,
-silent streams cut, streams per connection, calls of a revoked token ended."""
+"""Bounds on what hostile or careless callers can hold, against a server process: reflection
+off by default and behind tokens, abandoned long-polls free their worker, calls open per
+learner, silent streams cut, streams per connection, calls of a revoked token ended."""
 
 from __future__ import annotations
 
@@ -41,20 +41,26 @@ def code_of(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_reflection_is_off_by_default(start_service) -> None:
-    service = start_service()
-    with create_channel(f"127.0.0.1:{service.port}") as channel:
-        assert code_of(lambda: list_services(channel)) == grpc.StatusCode.UNIMPLEMENTED
+def test_reflection_is_off_by_default(tmp_path: Path) -> None:
+    server = server_process(tmp_path, "server")
+    try:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
+            assert code_of(lambda: list_services(channel)) == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        server.stop()
 
 
-def test_reflection_needs_a_token_when_auth_is_on(start_service, tmp_path: Path) -> None:
+def test_reflection_needs_a_token_when_auth_is_on(tmp_path: Path) -> None:
     path = tmp_path / "tokens.txt"
     token = add_token(str(path), "a")
-    service = start_service(auth_token_file=str(path), reflection=True)
-    with create_channel(f"127.0.0.1:{service.port}") as channel:
-        assert code_of(lambda: list_services(channel)) == grpc.StatusCode.UNAUTHENTICATED
-        metadata = ((LEARNER_ID_HEADER, "a"), ("authorization", f"Bearer {token}"))
-        assert SERVICE_NAME in list_services(channel, metadata)
+    server = server_process(tmp_path, "server", "--auth-token-file", str(path), "--reflection")
+    try:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
+            assert code_of(lambda: list_services(channel)) == grpc.StatusCode.UNAUTHENTICATED
+            metadata = ((LEARNER_ID_HEADER, "a"), ("authorization", f"Bearer {token}"))
+            assert SERVICE_NAME in list_services(channel, metadata)
+    finally:
+        server.stop()
 
 
 def joined_session(
@@ -86,85 +92,95 @@ def long_poll(stub, session: str, learner_id: str, metadata=None, timeout_s: flo
     return stub.PullParams(request, metadata=metadata, timeout=timeout_s)
 
 
+def metric(server, name: str, **labels: str) -> float:
+    samples = scrape(server.metrics_port())
+    return math.nan if samples is None else samples.value(name, **labels)
+
+
+WAITING = "diloco_server_waiting_pulls"
+
+
 @pytest.fixture
-def server(start_service):
-    service = start_service(lease_s=60.0, max_calls_in_flight=4)
-    with create_channel(f"127.0.0.1:{service.port}") as channel:
-        stub = pb_grpc.AggregatorStub(channel)
-        yield service, stub, joined_session(stub, "a", initialize=True)
+def server(tmp_path: Path):
+    """A server process that lets a learner hold 4 calls, with a worker thread to spare;
+    learner a's session, which has set the parameters (version 0)."""
+    flags = ("--lease-s", "60", "--max-calls-in-flight", "4", "--worker-threads", "5")
+    daemon = server_process(tmp_path, "server", *flags, metrics=True)
+    try:
+        with create_channel(f"127.0.0.1:{daemon.port}") as channel:
+            stub = pb_grpc.AggregatorStub(channel)
+            yield daemon, stub, joined_session(stub, "a", initialize=True)
+    finally:
+        daemon.stop()
 
 
 def test_abandoned_long_polls_free_their_workers(server) -> None:
-    service, stub, session = server
-    registry = service.metrics.registry
-
-    def waiting() -> float | None:
-        return registry.get_sample_value("diloco_server_waiting_pulls")
-
+    server, stub, session = server
     polls = [long_poll(stub, session, "a") for _ in range(4)]
-    wait_until(lambda: waiting() == 4, 10, "4 long-polls waiting")
+    wait_until(lambda: metric(server, WAITING) == 4, 20, "4 long-polls waiting")
     for poll in polls:
         poll.cancel()
-    # Each poll would otherwise hold its worker for its whole 60 s wait.
-    wait_until(lambda: waiting() == 0 and service.in_flight.open_calls() == 0, 10, "polls ended")
+    # Each poll would otherwise hold its worker thread for its whole 60 s wait.
+    wait_until(lambda: metric(server, WAITING) == 0, 10, "polls ended")
 
 
 def test_calls_open_per_learner_are_bounded(server) -> None:
-    service, stub, session = server
+    server, stub, session = server
+    other = joined_session(stub, "b")
     polls = [long_poll(stub, session, "a") for _ in range(4)]
-    registry = service.metrics.registry
-    wait_until(
-        lambda: registry.get_sample_value("diloco_server_waiting_pulls") == 4, 10, "4 waiting"
-    )
+    wait_until(lambda: metric(server, WAITING) == 4, 20, "4 waiting")
     with pytest.raises(grpc.RpcError) as err:
         list(long_poll(stub, session, "a"))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "max_calls_in_flight" in err.value.details()
     # Another learner, on the same connection, is not affected.
-    other = joined_session(stub, "b")
     metadata = ((LEARNER_ID_HEADER, "b"),)
     assert stub.Heartbeat(pb.HeartbeatRequest(session_id=other), metadata=metadata, timeout=10)
     refused = "diloco_server_in_flight_limited_calls_total"
-    assert registry.get_sample_value(refused, {"method": "PullParams"}) == 1
+    assert metric(server, refused, method="PullParams") == 1
     for poll in polls:
         poll.cancel()
 
 
-def test_health_checks_answer_while_every_worker_is_held(start_service) -> None:
-    service = start_service(worker_threads=2, lease_s=60.0)
-    with create_channel(f"127.0.0.1:{service.port}") as channel:
-        stub = pb_grpc.AggregatorStub(channel)
-        session = joined_session(stub, "a", initialize=True)
-        polls = [long_poll(stub, session, "a") for _ in range(2)]
-        registry = service.metrics.registry
-        waiting = "diloco_server_waiting_pulls"
-        wait_until(lambda: registry.get_sample_value(waiting) == 2, 10, "2 workers held")
-        # Bound: on the learners' pool the check would wait for a poll's 60 s.
-        health = health_pb2_grpc.HealthStub(channel)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=20).status == 1  # SERVING
-        for poll in polls:
-            poll.cancel()
+def test_health_checks_answer_while_every_worker_is_held(tmp_path: Path) -> None:
+    flags = ("--worker-threads", "2", "--lease-s", "60")
+    server = server_process(tmp_path, "server", *flags, metrics=True)
+    try:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AggregatorStub(channel)
+            session = joined_session(stub, "a", initialize=True)
+            polls = [long_poll(stub, session, "a") for _ in range(2)]
+            wait_until(lambda: metric(server, WAITING) == 2, 20, "2 workers held")
+            # Bound: on the learners' pool the check would wait for a poll's 60 s.
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=20).status == 1
+            for poll in polls:
+                poll.cancel()
+    finally:
+        server.stop()
 
 
-def test_a_pull_whose_reader_stops_reading_is_cut(start_service) -> None:
-    service = start_service(stream_idle_timeout_s=1.0)
-    with create_channel(f"127.0.0.1:{service.port}") as channel:
-        stub = pb_grpc.AggregatorStub(channel)
-        # 32 MB: far more than HTTP/2's window (which BDP probing grows) and the loopback
-        # sockets' buffers take unread, so the server's send must block.
-        session = joined_session(stub, "a", initialize=True, size=8_000_000)
-        request = pb.PullParamsRequest(session_id=session, have_version=-1)
-        pull = stub.PullParams(request, metadata=((LEARNER_ID_HEADER, "a"),), timeout=60)
-        assert next(pull).header.payload_bytes > 32_000_000
-        registry = service.metrics.registry
-        cut = "diloco_server_cut_calls_total"
-        wait_until(lambda: registry.get_sample_value(cut, {"reason": "idle"}) == 1, 20, "cut")
-        with pytest.raises(grpc.RpcError) as err:
-            list(pull)  # what the transport had taken, then the status
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+def test_a_pull_whose_reader_stops_reading_is_cut(tmp_path: Path) -> None:
+    server = server_process(tmp_path, "server", "--stream-idle-timeout-s", "1", metrics=True)
+    try:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AggregatorStub(channel)
+            # 32 MB: far more than HTTP/2's window (which BDP probing grows) and the loopback
+            # sockets' buffers take unread, so the server's send must block.
+            session = joined_session(stub, "a", initialize=True, size=8_000_000)
+            request = pb.PullParamsRequest(session_id=session, have_version=-1)
+            pull = stub.PullParams(request, metadata=((LEARNER_ID_HEADER, "a"),), timeout=60)
+            assert next(pull).header.payload_bytes > 32_000_000
+            cut = "diloco_server_cut_calls_total"
+            wait_until(lambda: metric(server, cut, reason="idle") == 1, 20, "cut")
+            with pytest.raises(grpc.RpcError) as err:
+                list(pull)  # what the transport had taken, then the status
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        server.stop()
 
 
-# -- against a server process: deadlines for streams, streams per connection, revocation ----
+# -- deadlines for streams, streams per connection, revocation --------------------------
 
 
 def silent_push(session: str, release: threading.Event) -> Iterator[pb.PushFragmentRequest]:
@@ -174,11 +190,6 @@ def silent_push(session: str, release: threading.Event) -> Iterator[pb.PushFragm
     )
     yield pb.PushFragmentRequest(header=header)
     release.wait(60)
-
-
-def metric(server, name: str, **labels: str) -> float:
-    samples = scrape(server.metrics_port())
-    return math.nan if samples is None else samples.value(name, **labels)
 
 
 @pytest.fixture
@@ -224,6 +235,40 @@ def test_silent_pushes_are_cut_and_leases_hold(tmp_path: Path, release) -> None:
         server.stop()
 
 
+def trickled_push(session: str, release: threading.Event) -> Iterator[pb.PushFragmentRequest]:
+    """A push announcing 4,000 bytes that sends one byte every 0.2 s (never idle for long),
+    for at most 30 s; then nothing until `release`."""
+    header = pb.PushHeader(
+        session_id=session, kind=pb.PUSH_KIND_DELTA, base_version=0, payload_bytes=4000
+    )
+    yield pb.PushFragmentRequest(header=header)
+    for _ in range(150):
+        if release.wait(0.2):
+            return
+        yield pb.PushFragmentRequest(chunk=b"\0")
+    release.wait(60)
+
+
+def test_a_push_that_trickles_is_cut(tmp_path: Path, release) -> None:
+    """Never idle for the idle timeout (5 s), but at 5 bytes/s: cut once its whole-stream
+    bound (5 s + 4,000 bytes at 1,000 bytes/s) has passed."""
+    flags = ("--stream-idle-timeout-s", "5", "--stream-min-bytes-per-s", "1000")
+    server = server_process(tmp_path, "server", *flags, metrics=True)
+    try:
+        with create_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = pb_grpc.AggregatorStub(channel)
+            session = joined_session(stub, "a", initialize=True, size=2000)  # 8,000 bytes
+            metadata = ((LEARNER_ID_HEADER, "a"),)
+            push = stub.PushFragment.future(trickled_push(session, release), metadata=metadata)
+            error = push.exception(timeout=60)
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "stream_min_bytes_per_s" in error.details()
+            cut = "diloco_server_cut_calls_total"
+            wait_until(lambda: metric(server, cut, reason="slow") == 1, 10, "1 cut counted")
+    finally:
+        server.stop()
+
+
 def test_streams_per_connection_are_bounded(tmp_path: Path) -> None:
     """With 4 long-polls open on a connection of a server that allows 4 streams, a fifth call
     on it waits for one to end; another connection is not affected."""
@@ -236,14 +281,15 @@ def test_streams_per_connection_are_bounded(tmp_path: Path) -> None:
             stub = pb_grpc.AggregatorStub(channel)
             session = joined_session(stub, "a", initialize=True)
             polls = [long_poll(stub, session, "a") for _ in range(4)]
-            waiting = "diloco_server_waiting_pulls"
-            wait_until(lambda: metric(server, waiting) == 4, 20, "4 long-polls waiting")
+            wait_until(lambda: metric(server, WAITING) == 4, 20, "4 long-polls waiting")
             heartbeat = pb.HeartbeatRequest(session_id=session)
             metadata = ((LEARNER_ID_HEADER, "a"),)
             queued = stub.Heartbeat.future(heartbeat, metadata=metadata, timeout=30)
-            # The other connection answers while the fifth call on the first one waits.
+            # The other connection answers while the fifth call on the first one waits (a
+            # heartbeat takes milliseconds when the connection lets it through).
             pb_grpc.AggregatorStub(other).Heartbeat(heartbeat, metadata=metadata, timeout=10)
-            assert not queued.done()
+            with pytest.raises(grpc.FutureTimeoutError):
+                queued.result(timeout=3)
             polls[0].cancel()
             assert queued.result(timeout=20).server_epoch  # it ran once a stream was free
             for poll in polls[1:]:
@@ -269,8 +315,7 @@ def test_revoking_a_token_ends_its_open_calls(tmp_path: Path, release) -> None:
             a_poll = long_poll(stub, a, "a", metadata=creds["a"], timeout_s=20)
             b_poll = long_poll(stub, b, "b", metadata=creds["b"])
             a_push = stub.PushFragment.future(silent_push(a, release), metadata=creds["a"])
-            waiting = "diloco_server_waiting_pulls"
-            wait_until(lambda: metric(server, waiting) == 2, 20, "2 long-polls waiting")
+            wait_until(lambda: metric(server, WAITING) == 2, 20, "2 long-polls waiting")
             kept = [line for line in path.read_text().splitlines() if not line.startswith("a ")]
             path.write_text("\n".join(kept) + "\n")
             server.signal(signal.SIGHUP)
@@ -281,7 +326,7 @@ def test_revoking_a_token_ends_its_open_calls(tmp_path: Path, release) -> None:
             assert a_push.exception(timeout=20).code() == grpc.StatusCode.UNAUTHENTICATED
             revoked = "diloco_server_cut_calls_total"
             wait_until(lambda: metric(server, revoked, reason="revoked") == 2, 10, "2 counted")
-            wait_until(lambda: metric(server, waiting) == 1, 10, "b's long-poll alone")
+            wait_until(lambda: metric(server, WAITING) == 1, 10, "b's long-poll alone")
             assert b_poll.is_active()
             b_poll.cancel()
     finally:

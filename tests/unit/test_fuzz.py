@@ -20,6 +20,7 @@ from hypothesis.configuration import set_hypothesis_home_dir
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import encode_fragment
+from tests.support.fuzz import decoders
 from tests.support.fuzz.cases import (
     CaseReport,
     check_call,
@@ -28,6 +29,7 @@ from tests.support.fuzz.cases import (
     run_servicer_case,
 )
 from tests.support.fuzz.decoders import run_decoder_case
+from tests.support.fuzz.sparse_forgery import MUST_REFUSE
 from tests.support.fuzz.strategies import Call
 from tests.support.fuzz.world import (
     FINGERPRINT,
@@ -120,6 +122,21 @@ def test_harness_reports_a_crash_and_a_hang(monkeypatch) -> None:
     assert outcome.hang
 
 
+@settings(CI, max_examples=40)
+@given(st.data())
+def test_harness_reports_a_decoder_that_takes_forged_sparse_tensors(data: st.DataObject) -> None:
+    """Decoders that take any sparse tensor must be caught on every forgery that the sparse
+    checks have to refuse, and only on those."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decoders, "decode", lambda msg, shape: torch.zeros(shape))
+        patch.setattr(decoders, "decode_fragment", lambda data, shapes: [torch.zeros(shapes[0])])
+        patch.setattr(decoders, "apply_updates", lambda replica, data, have: have + 1)
+        report = decoders._forged_sparse_case(data.draw, CaseReport())
+    forgery = report.labels[0].split(":")[0].removeprefix("sparse_")
+    accepted = [v for v in report.violations if v.startswith("wrong_status")]
+    assert len(accepted) == (forgery in MUST_REFUSE), (forgery, report.violations)
+
+
 def test_small_delta_is_reproducible() -> None:
     shapes = [(3, 4), (5,)]
     a, b = small_delta(shapes, seed=3), small_delta(shapes, seed=3)
@@ -187,3 +204,15 @@ def test_join_survives_absurd_schedule_reports(
     joined = call_direct(world.servicer, "Join", request, timeout_s=10)
     assert not joined.crash and joined.code is None, joined
     assert 0 <= joined.response.schedule_step <= 2**53
+
+
+def test_long_run_saves_its_tally_after_every_batch(monkeypatch) -> None:
+    """bench/fuzz.py keeps what a run has checked after each batch, so one stopped early
+    (or a lost worker) still has its figures."""
+    from bench import fuzz
+
+    monkeypatch.setattr(fuzz, "BATCH", 4)
+    saved: list[int] = []
+    case = lambda draw: CaseReport(labels=[str(draw(st.integers(0, 2**40)))])  # noqa: E731
+    tally = fuzz.run(10, case, 0, "t", lambda t, _: saved.append(t.cases))
+    assert tally.cases == 10 and saved == [4, 8, 10]

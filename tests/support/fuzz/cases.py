@@ -13,7 +13,9 @@ checked after every call:
   was refused ends without a step); for those the digest must differ by exactly that
   bookkeeping and nothing else;
 - an accepted call leaves parameters, momentum, residual and round sums finite;
-- afterwards the good learner's pushes are accepted and its pull returns the fragment.
+- afterwards the good learner's pushes are accepted and its pull returns the fragment, and a
+  pull one version behind returns an update chain (in the scenario's pull codec, sparse ones
+  included) that decodes as a learner decodes it.
 
 Decoder cases are in decoders.py.
 """
@@ -29,10 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import torch
 from hypothesis import strategies as st
 
+from common.errors import DilocoError
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment, params_crc32
+from common.wire import apply_updates, encode_fragment, params_crc32
 from tests.support.fuzz.garbage import garbage_push, other_rpc
 from tests.support.fuzz.strategies import ANY, Call, mutated_push, scenarios
 from tests.support.fuzz.world import (
@@ -109,6 +113,28 @@ def _check_good_pull(world: World, caller: Caller, report: CaseReport) -> None:
         report.violations.append(f"good_pull_failed: {_describe(pulled)}")
     elif pulled.response[0].header.params_crc32 != params_crc32(world.aggregator.params(0)):
         report.violations.append("good_pull_failed: checksum differs from the server's params")
+    version = world.version(0)
+    if version < 1:
+        return
+    # One version behind: the update in the scenario's pull codec (sparse ones included),
+    # decoded as a learner does.
+    request.have_version = version - 1
+    pulled = caller(world, "PullParams", request)
+    if pulled.code is not None or pulled.crash or pulled.hang:
+        report.violations.append(f"good_pull_failed: updates: {_describe(pulled)}")
+        return
+    header = pulled.response[0].header
+    if header.kind != pb.PULL_KIND_UPDATES:
+        return  # the chain would be larger than a snapshot: a snapshot was sent instead
+    data = b"".join(part.chunk for part in pulled.response[1:])
+    replica = [torch.zeros(p.shape) for p in world.aggregator.params(0)]
+    try:
+        reached = apply_updates(replica, data, version - 1)
+    except DilocoError as err:
+        report.violations.append(f"good_pull_failed: the update chain does not decode: {err}")
+        return
+    if reached != header.version:
+        report.violations.append(f"good_pull_failed: updates reach {reached}, not {version}")
 
 
 def run_concurrent_case(draw: Callable, threads: int = 4, calls_each: int = 3) -> CaseReport:

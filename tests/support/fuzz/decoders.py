@@ -2,7 +2,9 @@
 
 Each returns well-formed float32 tensors (the expected shapes, finite values) or raises
 InvalidArgument/ResourceExhausted, never anything else, within CALL_TIMEOUT_S; apply_updates
-leaves the replica untouched when it refuses.
+leaves the replica untouched when it refuses. A quarter of the cases feed a well-formed sparse
+tensor with one forgery (sparse_forgery.py) to one of the three, as a push or as a pull's
+update; the forgeries the sparse checks must catch have to be refused.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import apply_updates, decode_fragment, encode_fragment
 from tests.support.fuzz.cases import CaseReport
 from tests.support.fuzz.garbage import random_payload, random_tensor
+from tests.support.fuzz.sparse_forgery import MUST_REFUSE, forged_sparse
+from tests.support.fuzz.strategies import serialize
 from tests.support.fuzz.world import CALL_TIMEOUT_S, SPECS, small_delta
 
 
 def run_decoder_case(draw: Callable) -> CaseReport:
     """decode_fragment, decode and apply_updates on hostile bytes; see the module docstring."""
     report = CaseReport()
+    if draw(st.integers(0, 3)) == 0:
+        return _forged_sparse_case(draw, report)
     shapes = draw(
         st.one_of(
             st.just([s for _, s in SPECS]),
@@ -57,6 +63,30 @@ def run_decoder_case(draw: Callable) -> CaseReport:
     return report
 
 
+def _forged_sparse_case(draw: Callable, report: CaseReport) -> CaseReport:
+    """One forged sparse tensor through decode, decode_fragment or apply_updates."""
+    forgery, t = draw(forged_sparse())
+    shape = tuple(t.shape)
+    which = draw(st.sampled_from(["decode", "decode_fragment", "apply_updates"]))
+    label = f"sparse_{forgery}:{which}"
+    replica = small_delta([shape], 0)
+    before = replica[0].clone()
+    if which == "decode":
+        refused = _check_decoder(report, label, lambda: [decode(t, shape)], [shape])
+    elif which == "decode_fragment":
+        data = serialize([t])
+        refused = _check_decoder(report, label, lambda: decode_fragment(data, [shape]), [shape])
+    else:
+        chain = pb.FragmentUpdates(from_version=3, updates=[pb.EncodedFragment(tensors=[t])])
+        data = chain.SerializeToString()
+        refused = _check_decoder(report, label, lambda: apply_updates(replica, data, 3), None)
+        if refused and not torch.equal(before, replica[0]):
+            report.violations.append(f"state_change: {label} changed the replica")
+    if forgery in MUST_REFUSE and not refused:
+        report.violations.append(f"wrong_status: {label} was accepted")
+    return report
+
+
 def _parse_or_empty(data: bytes) -> pb.EncodedFragment:
     try:
         return pb.EncodedFragment.FromString(data)
@@ -82,7 +112,7 @@ def _mutated_bytes(draw, shapes: list[tuple[int, ...]]) -> bytes:
 
 def _check_decoder(report: CaseReport, name: str, fn: Callable, shapes) -> bool:
     """Run fn bounded in time; True when it refused the input cleanly."""
-    report.labels.append(f"decoder:{name}")
+    report.labels.append(name if ":" in name else f"decoder:{name}")
     started = time.perf_counter()
     try:
         result = fn()
