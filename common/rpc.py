@@ -35,6 +35,13 @@ _SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# A channel that failed to connect tries again after gRPC's backoff, by default up to 120 s:
+# a learner could sit that long idle after its server is back. Trying every 2 s at most is
+# cheap (one TCP connect) and bounds the rejoin after a server restart.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
 # Threads that answer health checks, apart from the learners' (create_server).
 HEALTH_THREADS = 2
 # Unary calls that are safe to repeat are retried by gRPC itself on UNAVAILABLE.
@@ -109,12 +116,14 @@ def _add_health(server: grpc.Server) -> None:
 
 
 def create_channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
-    """A client channel with the same message limits, keepalive and a retry policy; TLS with
+    """A client channel with the same message limits, keepalive, a retry policy and a bounded
+    reconnect backoff; TLS with
     `credentials`, plaintext without. Each channel has a connection of its own, as a learner
     process does (gRPC would otherwise share one between a process's channels to the same
     server, and simulated learners would queue behind each other's calls)."""
     options = [
         *_COMMON_OPTIONS,
+        *_CHANNEL_OPTIONS,
         ("grpc.service_config", json.dumps(_RETRY_SERVICE_CONFIG)),
         ("grpc.use_local_subchannel_pool", 1),
     ]

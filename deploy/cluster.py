@@ -55,11 +55,14 @@ class Cluster:
         mode: str = "quorum",
         learner_flags: dict[int, list[str]] | None = None,
         shards: int = 1,
+        learner_nice: int = 0,
     ) -> None:
-        """`learner_flags`: extra flags for some learners (e.g. a --slowdown)."""
+        """`learner_flags`: extra flags for some learners (e.g. a --slowdown);
+        `learner_nice`: run the learners at this niceness (`nice -n`), below the servers."""
         self.workdir, self.k, self.fragments = workdir, learners, fragments
         self.mode, self.shards = mode, shards
         self.learner_flags = learner_flags or {}
+        self.learner_nice = learner_nice
         workdir.mkdir(parents=True, exist_ok=True)
         self.ports = [0] * shards
         self.servers: dict[int, Daemon] = {}
@@ -124,6 +127,7 @@ class Cluster:
         self.learners[i] = start_daemon(
             f"learner-{i}",
             [
+                *(["nice", "-n", self.learner_nice] if self.learner_nice else []),  # same PID
                 *LEARNER,
                 "--insecure",
                 "--server",

@@ -51,11 +51,8 @@ def load_text_corpus(
     if not root.is_dir():
         raise ValueError(f"corpus folder {root} does not exist")
     train, val = bytearray(), bytearray()
-    files = sorted(p for p in root.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-    for path in files:
+    for path in text_files(root, skip_top):
         rel = path.relative_to(root).as_posix()
-        if rel.split("/")[0] in skip_top:
-            continue
         split = val if zlib.crc32(rel.encode()) % 100 < VALIDATION_PERCENT else train
         if len(split) >= max_bytes:
             continue
@@ -70,6 +67,19 @@ def load_text_corpus(
             "kept for validation)"
         )
     return _as_tensor(train[:max_bytes]), _as_tensor(val[:max_bytes])
+
+
+def text_files(root: Path, skip_top: tuple[str, ...] = ()) -> list[Path]:
+    """The .py, .txt and .md files under `root`, sorted, leaving out the top-level entries
+    named in `skip_top` without walking them (the stdlib's site-packages and test suite hold
+    most of its files: walking them took a good part of a learner's start). Symlinked folders
+    are not followed, as Path.rglob does not."""
+    top = [p for p in root.iterdir() if p.name not in skip_top]
+    found = [*top]
+    for folder in top:
+        if folder.is_dir() and not folder.is_symlink():
+            found += folder.rglob("*")
+    return sorted(p for p in found if p.suffix in TEXT_SUFFIXES and p.is_file())
 
 
 def load_token_file(path: Path) -> tuple[np.ndarray, torch.Tensor]:

@@ -232,7 +232,8 @@ class PersistenceConfig:
     state_dir: str = ""
     """Directory for snapshots and the update log; empty keeps state in memory only."""
     snapshot_every_versions: int = 100
-    """Write a full snapshot (and start a new log) after this many closed rounds."""
+    """Write a full snapshot (and start a new log) once the log holds this many closed rounds
+    (those a restart replayed count too)."""
 
     def __post_init__(self) -> None:
         if self.snapshot_every_versions < 1:

@@ -41,7 +41,7 @@ import struct
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -141,7 +141,17 @@ class Persistence:
                 f"state dir {self.state_dir} was written with {restored.identity}; "
                 f"start the server with the same settings or a new state dir"
             )
+        if restored is not None:
+            restored = replace(restored, updates=self._counted(restored.updates))
         return restored
+
+    def _counted(self, updates: Iterator[LogRecord]) -> Iterator[LogRecord]:
+        """The log's rounds count towards the next snapshot as if this process had closed
+        them: a server killed before it closes `snapshot_every_versions` rounds of its own
+        still snapshots, and each restart does not replay a longer log than the last."""
+        for record in updates:
+            self._rounds_since_snapshot += 1
+            yield record
 
     def record(self, fragment_id: int, version: int, mean: list[torch.Tensor], every: int) -> None:
         """Log the outer step that made `version` of a fragment; on disk when this returns."""

@@ -12,10 +12,11 @@ from tests.support.processes import REPO
 
 
 def chaos(tmp_path: Path, *flags: str, timeout_s: int = 420) -> dict:
-    """`diloco-chaos` with 2 learners, a fault about every 3 s until 4 faults (one of each
-    kind, as they come in turn) have been injected; its report. The run's duration is only a
-    bound: on a busy machine a server restart takes a good part of a minute, so a timed run
-    could fit fewer kinds."""
+    """`diloco-chaos` with 2 learners, a fault about every 3 s (once the cluster has
+    recovered from the last) until 4 faults (one of each kind, as they come in turn) have
+    been injected, beside a fault-free run; its report. The run's duration is only a bound:
+    on a busy machine a server restart takes a good part of a minute, so a timed run could
+    fit fewer kinds."""
     report_path = tmp_path / "chaos.json"
     result = subprocess.run(
         [
@@ -62,7 +63,8 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path) -> None:
 
 
 def test_short_chaos_run_over_two_shards_kills_one_shard(tmp_path) -> None:
-    # Shard kills come first in turn; two runs of four daemons or more get a longer bound.
+    # Shard kills come last in turn (the fourth fault); two clusters of four daemons or more
+    # at once get a longer bound.
     report = chaos(tmp_path, "--shards", "2", timeout_s=600)
     assert "shard_kill" in report["faults_by_kind"]
     shard_kills = [e for e in report["timeline"] if e["kind"] == "shard_kill"]

@@ -4,16 +4,9 @@ import math
 
 import pytest
 
-from deploy.chaos import (
-    KINDS,
-    Event,
-    Report,
-    Run,
-    evaluate,
-    parse_args,
-    verdict,
-    version_regressions,
-)
+from deploy.chaos import parse_args
+from deploy.chaos_faults import KINDS, Event
+from deploy.chaos_report import Report, Run, evaluate, verdict, version_regressions
 from deploy.watch import (
     LearnerPoint,
     ServerPoint,
@@ -95,6 +88,11 @@ def test_each_broken_invariant_is_named() -> None:
     assert "1 faults not followed by a round" in failures[2]
 
 
+def test_a_run_ended_early_fails() -> None:
+    failures = verdict(passing_report(aborted="server_kill 0: server exited with 1"))
+    assert failures == ["ended early: server_kill 0: server exited with 1"]
+
+
 def test_every_kind_and_enough_faults_are_required_when_faults_are_asked_for() -> None:
     report = passing_report(faults_by_kind={"learner_kill": 5, "net_cut": 4})
     failures = verdict(report, min_faults=10)
@@ -136,6 +134,7 @@ def test_evaluate_compares_losses_at_equal_tokens_and_rates_faults() -> None:
     fault_free = fake_run(30.0, [], [0, 20, 40, 80], [(1, 4.0), (2, 2.5), (3, 1.0)])
     report = evaluate(faulty, fault_free)
     assert report.faults_by_kind == {"server_kill": 1}
+    assert report.fault_s_by_kind == {"server_kill": 1.0}
     assert report.faults_per_min == 2.0
     assert report.useful_tokens == 20 and report.capacity_tokens == 40
     assert report.final_eval_loss == (4.0 + 3.0 + 3.0) / 3
@@ -148,12 +147,13 @@ def test_evaluate_compares_losses_at_equal_tokens_and_rates_faults() -> None:
 
 def test_presets_fill_only_what_the_command_line_left_out() -> None:
     soak = parse_args(["--soak", "--faults", "30"])
-    assert soak.faults == 30 and soak.fault_every_s == 1.5 and soak.max_loss_gap == 0.03
+    assert soak.faults == 30 and soak.fault_every_s == 0.5 and soak.max_loss_gap == 0.03
     assert soak.fault_length_s == [0.2, 1.0] and soak.report.name == "chaos_soak.json"
     assert soak.quiet_tail_s == 60.0
     plain = parse_args([])
     assert plain.duration_s == 600.0 and plain.faults == 0 and plain.max_loss_gap is None
     assert plain.report is None
+    assert plain.learner_nice == 10 and parse_args(["--learner-nice", "0"]).learner_nice == 0
 
 
 @pytest.mark.parametrize(
@@ -165,6 +165,8 @@ def test_presets_fill_only_what_the_command_line_left_out() -> None:
         ["--quiet-tail-s", "-1"],
         ["--max-loss-gap", "0"],
         ["--quick", "--soak"],
+        ["--learner-nice", "-1"],
+        ["--learner-nice", "20"],
     ],
 )
 def test_bad_schedules_are_refused(argv: list[str]) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from common.config import build_config
 from learner.config import LearnerConfig
-from learner.data import ShardedSampler, load_corpus
+from learner.data import TEXT_SUFFIXES, ShardedSampler, load_corpus, text_files
 
 T = 8
 
@@ -125,3 +125,27 @@ def test_a_folder_without_text_gives_one_clear_error(tmp_path: Path) -> None:
 def test_bad_data_settings_name_the_field(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         build_config(LearnerConfig, {"learner_id": "a", **settings})
+
+
+def test_text_files_skip_top_level_folders_as_a_full_walk_would(tmp_path) -> None:
+    """The same files, in the same order, as walking everything and dropping what lies
+    under a skipped top-level folder (learner/data.py's text_files)."""
+    for rel in ["a.py", "b/c.txt", "b/d/e.md", "b/x.bin", "skip/f.py", "skip/g/h.txt"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    (tmp_path / "linked").symlink_to(tmp_path / "b")  # not followed, as rglob does not
+    (tmp_path / "link.py").symlink_to(tmp_path / "a.py")  # a linked file is a file
+    walked = sorted(
+        p
+        for p in tmp_path.rglob("*")
+        if p.suffix in TEXT_SUFFIXES
+        and p.is_file()
+        and p.relative_to(tmp_path).parts[0] not in ("skip",)
+    )
+    assert text_files(tmp_path, ("skip",)) == walked
+    assert [p.relative_to(tmp_path).as_posix() for p in walked] == [
+        "a.py",
+        "b/c.txt",
+        "b/d/e.md",
+        "link.py",
+    ]

@@ -176,3 +176,19 @@ def test_a_snapshot_from_before_the_warmup_resumes_past_it_and_the_config_wins()
     new_state = fragment(warmup_rounds=3)
     new_state.load_state_dict(old.state_dict())  # a snapshot saying warmup_rounds=0
     assert new_state.outer.warmup_rounds == 3 and new_state.outer.steps_taken == 5
+
+
+def test_a_server_killed_before_each_snapshot_still_compacts_its_log(tmp_path) -> None:
+    """Rounds replayed at a restart count towards the next snapshot: a server killed every
+    few rounds, never closing snapshot_every_versions rounds in one life, still snapshots,
+    so each restart replays at most that many records."""
+    log_path = StateStore(tmp_path).log_path
+    agg, s = start(tmp_path, snapshot_every_versions=8)
+    initialize_both(agg, s)
+    records = []
+    for life in range(6):  # 3 rounds of 2 fragments each life, then killed (no checkpoint)
+        run_rounds(agg, s, range(3 * life, 3 * life + 3))
+        records.append(sum(1 for _ in StateStore(tmp_path).replay()))
+        agg, s = start(tmp_path, snapshot_every_versions=8)
+        assert [agg.version(0), agg.version(1)] == [3 * life + 3] * 2
+    assert max(records) < 8 and log_path.stat().st_size > 0
