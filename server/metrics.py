@@ -192,6 +192,18 @@ class _CallsCollector(Collector):
             "PullParams long-polls waiting now for a version (each holds a worker thread).",
             value=self.servicer.waiting_pulls(),
         )
+        budget = self.servicer.push_budget
+        yield GaugeMetricFamily(
+            "diloco_server_push_memory_reserved_bytes",
+            "Bytes of push_memory_budget_mb held now: payloads being received and buffers "
+            "kept for reuse.",
+            value=budget.reserved_bytes(),
+        )
+        yield CounterMetricFamily(
+            "diloco_server_push_memory_refused_calls",
+            "Pushes refused because push_memory_budget_mb stayed full for push_budget_wait_s.",
+            value=budget.refused,
+        )
         refused = CounterMetricFamily(
             "diloco_server_in_flight_limited_calls",
             "Calls refused because their learner already had max_calls_in_flight open, by method.",

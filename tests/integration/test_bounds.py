@@ -4,7 +4,6 @@ learner, silent streams cut, streams per connection, calls of a revoked token en
 
 from __future__ import annotations
 
-import math
 import signal
 import threading
 from collections.abc import Iterator
@@ -21,9 +20,8 @@ from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import wait_until
 from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME, create_channel
 from common.wire import chunks, encode_fragment
-from deploy.prometheus_api import scrape
 from server.auth import add_token
-from tests.support.processes import server_process
+from tests.support.processes import metric, server_process
 
 
 def list_services(channel: grpc.Channel, metadata=()) -> list[str]:
@@ -90,11 +88,6 @@ def long_poll(stub, session: str, learner_id: str, metadata=None, timeout_s: flo
     )
     metadata = metadata or ((LEARNER_ID_HEADER, learner_id),)
     return stub.PullParams(request, metadata=metadata, timeout=timeout_s)
-
-
-def metric(server, name: str, **labels: str) -> float:
-    samples = scrape(server.metrics_port())
-    return math.nan if samples is None else samples.value(name, **labels)
 
 
 WAITING = "diloco_server_waiting_pulls"

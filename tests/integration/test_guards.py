@@ -19,10 +19,9 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import Stopped
 from common.wire import decode_fragment, encode_fragment
 from deploy.launcher import Daemon
-from deploy.prometheus_api import scrape
 from learner.api import DilocoSync
 from learner.client import AggregatorClient
-from tests.support.processes import server_process
+from tests.support.processes import metric, server_process
 
 SHAPES = [(4, 8), (8,)]
 FINGERPRINT = [pb.ParamSpec(name=f"p{i}", shape=s, dtype="float32") for i, s in enumerate(SHAPES)]
@@ -37,9 +36,7 @@ def push(client: AggregatorClient, session: str, base: int, value: float) -> int
 
 def version(server: Daemon) -> float:
     """Fragment 0's version as the server process exports it (NaN when it does not answer)."""
-    samples = scrape(server.metrics_port())
-    name = "diloco_server_fragment_version"
-    return math.nan if samples is None else samples.value(name, fragment="0")
+    return metric(server, "diloco_server_fragment_version", fragment="0")
 
 
 @pytest.fixture

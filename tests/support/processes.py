@@ -10,11 +10,15 @@ port 0 and a port file, stopped by PID.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from deploy.launcher import LEARNER, REPO, SERVER, Daemon, start_daemon
+from deploy.prometheus_api import scrape
 
-__all__ = ["REPO", "TINY_LEARNER_FLAGS", "learner_log", "learner_process", "server_process"]
+__all__ = [
+    "REPO", "TINY_LEARNER_FLAGS", "learner_log", "learner_process", "metric", "server_process",
+]  # fmt: skip
 
 # A model and data small enough that an outer step takes well under a second on one core.
 TINY_LEARNER_FLAGS = [
@@ -74,3 +78,9 @@ def learner_process(
 
 def learner_log(tmp_path: Path, learner_id: str) -> str:
     return (tmp_path / f"{learner_id}.log").read_text()
+
+
+def metric(daemon: Daemon, name: str, **labels: str) -> float:
+    """One sample of a daemon started with metrics=True; NaN while it does not answer."""
+    samples = scrape(daemon.metrics_port())
+    return math.nan if samples is None else samples.value(name, **labels)
