@@ -47,6 +47,8 @@ class Row:
     lr: float = 1e-3  # the inner learning rate (data-parallel: its learning rate)
     steps: int = 1000
     seed: int = 0
+    outer_lr: float | None = None  # None: the recipe's (sweeps only)
+    feedback_decay: float | None = None  # sparse pushes' residual decay; None: the default
 
     @property
     def method(self) -> str:
@@ -54,7 +56,9 @@ class Row:
         if self.codec == "dp":
             return f"data-parallel lr {self.lr:g}"
         k = f" top-k 1/{1 / self.topk:g}" if self.topk else ""
-        return f"{self.codec}{k} H={self.h} lr {self.lr:g}"
+        outer = "" if self.outer_lr is None else f" outer lr {self.outer_lr:g}"
+        decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
+        return f"{self.codec}{k} H={self.h} lr {self.lr:g}{outer}{decay}"
 
     def setup(self, quick: bool = False, **kw) -> Setup:
         """The run's Setup; `kw` sets more of its fields (n_embd, device, lr_schedule)."""
@@ -79,17 +83,21 @@ class Row:
             outer_momentum_warmup_rounds=WARMUP_ROUNDS,
             topk_fraction=self.topk,
         )
-        if WIRE[self.codec] not in SPARSE_WIRE:
-            return variant
-        # The daemons' defaults for sparse codecs: the outer step, the decayed residual, and a
-        # pull that keeps twice the push's fraction (server/config.py: 1/32 for 1/64).
-        pull = min(1.0, 2 * self.topk) if self.topk else SPARSE_PULL_TOPK_FRACTION
-        return replace(
-            variant,
-            **SPARSE_OUTER,
-            push_feedback_decay=FEEDBACK_DECAY,
-            server={"pull_topk_fraction": pull},
-        )
+        if WIRE[self.codec] in SPARSE_WIRE:
+            # The daemons' defaults for sparse codecs: the outer step, the decayed residual,
+            # and a pull that keeps twice the push's fraction (server/config.py: 1/32 for 1/64).
+            pull = min(1.0, 2 * self.topk) if self.topk else SPARSE_PULL_TOPK_FRACTION
+            variant = replace(
+                variant,
+                **SPARSE_OUTER,
+                push_feedback_decay=FEEDBACK_DECAY,
+                server={"pull_topk_fraction": pull},
+            )
+        if self.outer_lr is not None:
+            variant = replace(variant, outer_lr=self.outer_lr)
+        if self.feedback_decay is not None:
+            variant = replace(variant, push_feedback_decay=self.feedback_decay)
+        return variant
 
 
 def cache_key(setup: Setup, variant: Variant) -> str:

@@ -2,6 +2,8 @@
 
     python bench/quality_sweep.py lr       # data-parallel's lr and the learners' inner lr
     python bench/quality_sweep.py trend    # headline rows at 1,000 and 3,000 steps, seed 0
+    python bench/quality_sweep.py lr --dp-lrs --codec sparse-2bit --topk 0.015625 \
+        --inner-lrs 2e-3 --outer-lrs 1 2 4 --feedback-decays 0.9 0.95 0.98   # sparse's outer step
 
 `lr`: data-parallel at each of --dp-lrs and Streaming DiLoCo (bench/quality_runs.py's
 recipe, --codec at H = --h) at each of --inner-lrs, seed 0; prints each run's eval loss and
@@ -28,8 +30,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def lr_rows(args: argparse.Namespace) -> list[Row]:
     return [Row("dp", lr=lr, seed=s) for lr in args.dp_lrs for s in args.seeds] + [
-        Row(args.codec, h=args.h, topk=args.topk, lr=lr, seed=s)
+        Row(args.codec, h=args.h, topk=args.topk, lr=lr, seed=s, outer_lr=o, feedback_decay=d)
         for lr in args.inner_lrs
+        for o in args.outer_lrs or [None]
+        for d in args.feedback_decays or [None]
         for s in args.seeds
     ]
 
@@ -53,6 +57,13 @@ def main() -> int:
     parser.add_argument("--codec", default="fp4", help="lr: the DiLoCo row's codec")
     parser.add_argument("--topk", type=float, default=0.0, help="lr: its top-k fraction")
     parser.add_argument("--h", type=int, default=20, help="H of the DiLoCo rows")
+    parser.add_argument(
+        "--outer-lrs", type=float, nargs="*", default=[], help="lr: outer lrs (the recipe's)"
+    )
+    parser.add_argument(
+        "--feedback-decays", type=float, nargs="*", default=[],
+        help="lr: sparse pushes' residual decays (the learner's default)",
+    )  # fmt: skip
     parser.add_argument("--steps-list", type=int, nargs="+", default=[1000, 3000])
     parser.add_argument(
         "--codecs", nargs="+", default=["fp4"], help="trend: codec or codec:topk rows"

@@ -15,6 +15,18 @@ from learner.config import SyncConfig
 from server.config import SPARSE_OUTER
 
 
+def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:
+    default = Row("sparse-2bit", h=20, topk=1 / 64)
+    swept = Row("sparse-2bit", h=20, topk=1 / 64, outer_lr=2.0, feedback_decay=0.9)
+    assert (swept.variant().outer_lr, swept.variant().push_feedback_decay) == (2.0, 0.9)
+    assert swept.method == "sparse-2bit top-k 1/64 H=20 lr 0.001 outer lr 2 decay 0.9"
+    # A row that names the recipe's own values is the same run as the default row.
+    same = Row("sparse-2bit", h=20, topk=1 / 64, outer_lr=SPARSE_OUTER["outer_lr"])
+    key = quality_runs.cache_key(default.setup(), default.variant())
+    assert quality_runs.cache_key(same.setup(), same.variant()) == key
+    assert quality_runs.cache_key(swept.setup(), swept.variant()) != key
+
+
 def test_a_row_is_a_codec_name_h_and_learning_rate() -> None:
     fp4 = Row("fp4", h=20, lr=2e-3).variant()
     assert (fp4.push_codec, fp4.pull_codec, fp4.sync_every_steps) == ("fp4_e2m1", "fp4_e2m1", 20)
