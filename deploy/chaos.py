@@ -207,8 +207,9 @@ def run_beside(
     thread.start()
     try:
         fault_free = run(
-            root / "fault-free", learners, schedule, seed, False, shards, lambda: length[0]
-        )
+            root / "fault-free", learners, schedule, seed, False, shards, lambda: length[0],
+            learner_nice,
+        )  # fmt: skip
     finally:
         thread.join()
     if errors:

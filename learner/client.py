@@ -112,8 +112,10 @@ class AggregatorClient:
             )
         return header, bytes(payload)
 
-    def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:
-        return self._unary(self._stub.Heartbeat, request)
+    def heartbeat(
+        self, request: pb.HeartbeatRequest, timeout_s: float = UNARY_TIMEOUT_S
+    ) -> pb.HeartbeatResponse:
+        return self._unary(self._stub.Heartbeat, request, timeout_s)
 
     def describe_shards(self) -> pb.DescribeShardsResponse:
         """The server's place in the shard map, and where the other shards are."""
@@ -126,7 +128,7 @@ class AggregatorClient:
     def leave(self, session_id: str) -> None:
         self._unary(self._stub.Leave, pb.LeaveRequest(session_id=session_id))
 
-    def _unary(self, method, request):
-        response = method(request, timeout=UNARY_TIMEOUT_S, metadata=self._metadata)
+    def _unary(self, method, request, timeout_s: float = UNARY_TIMEOUT_S):
+        response = method(request, timeout=timeout_s, metadata=self._metadata)
         self.traffic.count(sent=request.ByteSize(), received=response.ByteSize())
         return response

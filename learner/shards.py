@@ -12,8 +12,9 @@ map id (fingerprint, P, layout, owners) and the mode, or the join fails with Sha
 naming the shard. The learner's session is then one id per shard, joined with SEP, and the
 server epoch one hash of the shards' epochs (`membership()`).
 
-Heartbeats go to every shard; a shard that cannot be reached is skipped (its fragments keep
-their last known versions) while the live ones renew the lease. With N > 1, a shard that no
+Heartbeats go to every shard at once, each bounded by a third of the lease; a shard that
+cannot be reached is skipped (its fragments keep their last known versions) while the live
+ones renew the lease. With N > 1, a shard that no
 longer knows the learner's session (it restarted: a new epoch, or NOT_FOUND for a push, pull
 or heartbeat) is noted in `lost_shards()`, and `join_shard` joins it alone again, whatever
 the other shards' state: one that is down meanwhile does not hold it up. With one shard
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import grpc
@@ -192,15 +194,19 @@ class ShardedClient:
         an error is raised only if no shard answered (an unreachable one first)."""
         if self.shard_count == 1:
             return self._clients[0].heartbeat(request)
+        # Sent at once, each bounded by a third of the lease: a shard that does not answer
+        # (down, or its address black-holed) must not hold back the others' renewals.
+        timeout_s = max(1.0, self.membership().lease_s / 3)
+        with ThreadPoolExecutor(self.shard_count, thread_name_prefix="heartbeat") as pool:
+            futures = {
+                shard: pool.submit(self._beat, shard, request, timeout_s)
+                for shard in range(self.shard_count)
+            }
         replies: dict[int, pb.HeartbeatResponse] = {}
         lost = unreachable = None
-        for shard, client in enumerate(self._clients):
-            mine = pb.HeartbeatRequest()
-            mine.CopyFrom(request)
-            mine.session_id = session_of(request.session_id, shard, self.shard_count)
+        for shard, future in futures.items():
             try:
-                with self._noting_lost(shard, mine.session_id):
-                    replies[shard] = client.heartbeat(mine)
+                replies[shard] = future.result()
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     lost = err
@@ -211,10 +217,20 @@ class ShardedClient:
                     raise
                 continue
             if replies[shard].server_epoch != self.sessions.epoch_of(shard):
-                self.sessions.note_lost(shard, mine.session_id)  # it restarted
+                session = session_of(request.session_id, shard, self.shard_count)
+                self.sessions.note_lost(shard, session)  # it restarted
         if not replies:
             raise unreachable or lost
         return self._merged(replies)
+
+    def _beat(
+        self, shard: int, request: pb.HeartbeatRequest, timeout_s: float
+    ) -> pb.HeartbeatResponse:
+        mine = pb.HeartbeatRequest()
+        mine.CopyFrom(request)
+        mine.session_id = session_of(request.session_id, shard, self.shard_count)
+        with self._noting_lost(shard, mine.session_id):
+            return self._clients[shard].heartbeat(mine, timeout_s)
 
     def leave(self, session_id: str) -> None:
         """Leave every shard; the first failure is raised once all were tried."""

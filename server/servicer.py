@@ -198,6 +198,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         initial = header.kind == pb.PUSH_KIND_INITIAL
         # Refuse stale, duplicate or unknown pushes before reading their payload.
         shapes = agg.check_push(header.session_id, fid, header.base_version, initial)
+        # Looked up now: once the push is counted, a lease that ran out meanwhile must not
+        # turn its answer into NOT_FOUND.
+        learner_id = agg.session_learner(header.session_id)
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
         limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
         if header.payload_bytes > limit:
@@ -228,7 +231,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         inner_steps=header.inner_steps,
                     )
                     self.merged_tokens.add(fid, version, header.tokens, agg.version(fid))
-                    self.pushes.record(agg.session_learner(header.session_id), fid, version)
+                    self.pushes.record(learner_id, fid, version)
         response = pb.PushFragmentResponse(accepted=True, round_version=version)
         self.count_push("accepted")
         self.traffic.count(fid, sent=response.ByteSize())
