@@ -55,7 +55,7 @@ bench-decoupled: $(BENCH_STAMP)
 bench-load: $(STAMP)
 	$(BIN)/python bench/load.py
 
-# Aggregator shards (bench/scale.py): 512 M params over 1, 2 and 4 shards, 8 learners, and
+# Aggregator shards (bench/scale.py): 537 M params over 1, 2 and 4 shards, 8 learners, and
 # 64 learners on 134 M params; bench/results/scale.json. `--quick` (34 M params, < 3 min):
 # bench/results/scale_quick.json.
 bench-scale: $(STAMP)

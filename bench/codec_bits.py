@@ -20,9 +20,8 @@ import json
 import torch
 
 from bench.simulate import Setup
-from common.codec import codec_id
+from common.codec import is_sparse
 from common.sparse import DEFAULT_TOPK_FRACTION, fragment_with_feedback, topk_k
-from common.sparse_wire import SPARSE_CODECS
 from common.wire import encode_fragment
 from learner.model import GPT
 from server.fragment import FragmentState
@@ -42,7 +41,7 @@ def measure(topk_fraction: float = DEFAULT_TOPK_FRACTION) -> dict:
     deltas = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
     report: dict = {"params": numel, "sparse_k": k, "chunk": 4096}
     for name in CODECS:
-        if codec_id(name) in SPARSE_CODECS:
+        if is_sparse(name):
             residuals = [torch.zeros(s) for s in shapes]
             push = fragment_with_feedback(deltas, name, k, residuals)
         else:

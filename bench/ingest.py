@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import procfs  # noqa: E402
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc  # noqa: E402
 from common.metrics_http import write_port_file  # noqa: E402
@@ -107,8 +108,7 @@ class _Server:
         self.channel = create_channel(f"127.0.0.1:{self.daemon.port}")
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.daemon.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return procfs.cpu_s(self.daemon.pid)
 
     def timed(
         self, send: Callable[[int], None], pushes: range, streams: int
@@ -185,10 +185,7 @@ class _Ingest(_Server):
             raise RuntimeError(f"push refused: {reply}")
 
     def peak_rss_mb(self) -> float:
-        for line in Path(f"/proc/{self.daemon.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
+        return procfs.peak_rss_mb(self.daemon.pid)
 
 
 def _as(learner_id: str) -> tuple[tuple[str, str]]:

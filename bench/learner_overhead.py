@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.procfs import peak_rss_mb
 from deploy.launcher import SERVER, Daemon, start_daemon
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,15 +95,6 @@ def child(mode: str, server: str, steps: int, steps_per_outer: int) -> dict:
         "sync_cpu_s_per_step": sync.cpu_s / inner.calls,
         "peak_rss_mb": peak_rss_mb(),
     }
-
-
-def peak_rss_mb() -> float:
-    """This process's peak RSS. Not ru_maxrss: Linux carries that across fork and exec, so a
-    child started by a large parent reports the parent's peak; VmHWM belongs to this image."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
 
 
 def gil_stalls(server: str, fragment_mib: int, pushes: int) -> dict:

@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.procfs import rss_mb  # noqa: E402
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
 from common.retry import Stopped, call_with_retry  # noqa: E402
 from common.rpc import LEARNER_ID_HEADER  # noqa: E402
@@ -68,13 +69,6 @@ def model_specs(shapes: list[tuple[int, int]]) -> list[pb.ParamSpec]:
 
 
 INTENDED = set()  # rejections this workload should provoke: none
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 class Learner(threading.Thread):

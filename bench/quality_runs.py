@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.simulate import Result, Setup, Variant, run_variant
-from learner.config import SyncConfig
+from common.codec import is_sparse
 from server.config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
 
 # The wire codec names the rows use, and the common/codec.py codecs they send each way.
@@ -30,8 +30,6 @@ WIRE = {
     "sparse-2bit": "sparse_2bit",
     "sparse-fp4": "sparse_fp4",
 }
-SPARSE_WIRE = ("sparse_2bit", "sparse_fp4")
-FEEDBACK_DECAY = SyncConfig().push_feedback_decay
 WARMUP_ROUNDS = 20  # outer momentum warm-up (docs/RESULTS.md, "The outer momentum warm-up")
 MERGE_ALPHA = 0.05  # Streaming's merge weight of the local fragment (docs/RESULTS.md)
 FRAGMENTS = 4
@@ -83,14 +81,14 @@ class Row:
             outer_momentum_warmup_rounds=WARMUP_ROUNDS,
             topk_fraction=self.topk,
         )
-        if WIRE[self.codec] in SPARSE_WIRE:
-            # The daemons' defaults for sparse codecs: the outer step, the decayed residual,
-            # and a pull that keeps twice the push's fraction (server/config.py: 1/32 for 1/64).
+        if is_sparse(WIRE[self.codec]):
+            # The daemons' defaults for sparse codecs: the outer step and a pull that keeps
+            # twice the push's fraction (server/config.py: 1/32 for 1/64); Variant's residual
+            # decay is the learner's default already.
             pull = min(1.0, 2 * self.topk) if self.topk else SPARSE_PULL_TOPK_FRACTION
             variant = replace(
                 variant,
                 **SPARSE_OUTER,
-                push_feedback_decay=FEEDBACK_DECAY,
                 server={"pull_topk_fraction": pull},
             )
         if self.outer_lr is not None:
@@ -106,7 +104,7 @@ def cache_key(setup: Setup, variant: Variant) -> str:
     fields = {**asdict(variant), "name": ""}
     if not variant.topk_fraction:
         del fields["topk_fraction"]
-    if variant.push_codec not in SPARSE_WIRE:
+    if not is_sparse(variant.push_codec):
         del fields["push_feedback_decay"]
     return json.dumps({"setup": asdict(setup), "variant": fields}, sort_keys=True)
 

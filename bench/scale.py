@@ -1,4 +1,4 @@
-"""Scale benchmark: a 512 M-parameter model over 1, 2 and 4 aggregator shards on loopback.
+"""Scale benchmark: a 537 M-parameter model over 1, 2 and 4 aggregator shards on loopback.
 
     python bench/scale.py --quick      # 34 M params, 8 learners, 1/2/4 shards: < 3 min
     python bench/scale.py              # 537 M params, 8 learners; 134 M, 64 learners
@@ -47,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import procfs  # noqa: E402
 from common.codec import codec_id, encode_values  # noqa: E402
 from common.fragment_wire import fragment_parts  # noqa: E402
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
@@ -77,24 +78,6 @@ class Model:
     @property
     def params(self) -> int:
         return TENSORS * self.side * self.side
-
-
-def proc_field_kib(path: str, key: str) -> float:
-    """A `key: N kB` line of a /proc file (VmRSS in /proc/PID/status, MemAvailable...)."""
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(key + ":"):
-            return float(line.split()[1])
-    return float("nan")
-
-
-def proc_rss_mb(pid: int) -> float:
-    return proc_field_kib(f"/proc/{pid}/status", "VmRSS") / 1024
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process, from /proc/PID/stat (clock ticks of 1/100 s)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / 100
 
 
 class Fleet:
@@ -258,7 +241,7 @@ def run(
     workdir = Path(tempfile.mkdtemp(prefix="diloco-scale-"))
     daemons = start_shards(shards, quorum, workdir)
     pids = [d.pid for d in daemons]
-    idle_mb = [proc_rss_mb(pid) for pid in pids]
+    idle_mb = [procfs.rss_mb(pid) for pid in pids]
     peak_mb = list(idle_mb)
     fleet = Fleet([f"127.0.0.1:{d.port}" for d in daemons], model, learners)
     threads: list[threading.Thread] = []
@@ -274,7 +257,7 @@ def run(
         for f in range(FRAGMENTS):
             threads.append(threading.Thread(target=fleet.watch_loop, args=(f,), daemon=True))
         setup_s = time.perf_counter() - begun
-        cpu_before = [proc_cpu_s(pid) for pid in pids]
+        cpu_before = [procfs.cpu_s(pid) for pid in pids]
         sent_before = fleet.bytes_sent()
         started = time.perf_counter()
         for thread in threads:
@@ -283,12 +266,12 @@ def run(
             (elapsed := time.perf_counter() - started) < duration_s
             or (not fleet.settled(min_versions) and elapsed < duration_s + timeout_s)
         ):
-            rss = [proc_rss_mb(pid) for pid in pids]
+            rss = [procfs.rss_mb(pid) for pid in pids]
             peak_mb = [max(p, r) for p, r in zip(peak_mb, rss, strict=True)]
-            limit_hit = sum(rss) + proc_rss_mb(os.getpid()) > rss_limit_mb
+            limit_hit = sum(rss) + procfs.rss_mb(os.getpid()) > rss_limit_mb
             time.sleep(0.25)
         elapsed = time.perf_counter() - started
-        cpu_s = sum(proc_cpu_s(pid) for pid in pids) - sum(cpu_before)
+        cpu_s = sum(procfs.cpu_s(pid) for pid in pids) - sum(cpu_before)
         pushed_gb = (fleet.bytes_sent() - sent_before) / 1e9  # pushes in flight count too
         pushes_done = fleet.pushes
     finally:
@@ -355,7 +338,7 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=60.0, help="measured, per run")
     parser.add_argument("--min-versions", type=int, default=1, help="and on until reached")
     parser.add_argument("--quorum", type=int, default=0, help="learners a round needs (0: half)")
-    parser.add_argument("--side", type=int, help="8 x side^2 params (default 8192: 512 M)")
+    parser.add_argument("--side", type=int, help="8 x side^2 params (default 8192: 537 M)")
     parser.add_argument("--many-learners", type=int, default=64)
     parser.add_argument("--many-side", type=int, default=4096, help="(4096: 134 M params)")
     parser.add_argument("--rss-limit-gb", type=float, default=0.0, help="0: 0.8 x MemAvailable")
@@ -366,7 +349,7 @@ def main() -> int:
     duration_s, timeout_s = QUICK_RUN_S if args.quick else (args.duration_s, 600.0)
     side = args.side or (QUICK_SIDE if args.quick else FULL_SIDE)
     out = args.out or RESULTS / ("scale_quick.json" if args.quick else "scale.json")
-    available_gb = proc_field_kib("/proc/meminfo", "MemAvailable") / 2**20
+    available_gb = procfs.field_kib("/proc/meminfo", "MemAvailable") / 2**20
     rss_limit_mb = 1024 * (args.rss_limit_gb or 0.8 * available_gb)
     plans = [(8, side)] + ([] if args.quick else [(args.many_learners, args.many_side)])
     started = time.perf_counter()

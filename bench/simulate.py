@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from common.sparse import DEFAULT_FEEDBACK_DECAY
 from common.wire import decode_fragment
 from learner.data import BatchSampler, load_corpus
 from learner.model import GPT, GPTConfig
@@ -69,7 +70,7 @@ class Variant:
     push_codec: str = "fp32"
     pull_codec: str = "fp32"
     topk_fraction: float = 0.0  # sparse codecs, both ways (0: the codec's default)
-    push_feedback_decay: float = 1.0  # sparse pushes: the learner's residual decay
+    push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY  # sparse pushes' residual decay
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)

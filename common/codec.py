@@ -98,6 +98,11 @@ def codec_id(name: str) -> int:
     return CODECS[name]
 
 
+def is_sparse(name: str) -> bool:
+    """Whether the codec name is one of the top-k sparse codecs (False for unknown names)."""
+    return name in CODECS and CODECS[name] in SPARSE_CODECS
+
+
 def encode(
     tensor: torch.Tensor,
     codec: str | int,

@@ -49,6 +49,9 @@ from common.sparse_wire import (
 )
 
 DEFAULT_TOPK_FRACTION = 1 / 64  # SparseLoCo's 64 of every 4096
+# The learner's push residual is multiplied by this before each sparse push (SparseLoCo's
+# error-feedback decay): what stays unsent for long fades instead of piling up.
+DEFAULT_FEEDBACK_DECAY = 0.95
 
 
 def topk_k(fraction: float) -> int:

@@ -70,11 +70,6 @@ class Cluster:
         self.proxies: dict[int, list[FaultProxy]] = {}  # learner -> one per shard
         self.started = time.monotonic()
 
-    @property
-    def server(self) -> Daemon | None:
-        """Shard 0 (the server, when there is one shard)."""
-        return self.servers.get(0)
-
     @staticmethod
     def shard_name(shard: int) -> str:
         return "server" if shard == 0 else f"server-{shard}"

@@ -13,7 +13,7 @@ tests/unit/test_deploy_manifests.py.
 Steps, each bounded in time: build; up 2 server shards + 3 learners + Prometheus; wait until
 Prometheus has every target up, every learner has finished outer steps and each shard has
 closed a round of the fragment it owns; `kill -9` shard 1; check that shard 0's fragment
-versions keep rising while shard 1 is down (measured: 2 more versions during the outage);
+versions keep rising while shard 1 is down (at least OUTAGE_VERSIONS more);
 start shard 1 again and wait until it is back with no served version lost (its fragment
 at or past the version it had when killed) and advancing again; tear everything down
 (always). Every check reads Prometheus, never the containers' logs.
@@ -131,8 +131,8 @@ def values_by_instance(expr: str) -> dict[str, float]:
 
 
 def owned_versions(shard: int, over_time: str = "") -> dict[str, float]:
-    """The versions of the fragments a shard owns ({} while it is down; a shard reports the
-    fragments it does not own as -1). `over_time`: e.g. max_over_time, over the last 10 min."""
+    """The versions of the fragments a shard owns ({} while it is down; a fragment without
+    values yet, at -1, is left out). `over_time`: e.g. max_over_time, over the last 10 min."""
     expr = f'diloco_server_fragment_version{{shard="{shard}"}}'
     expr = f"{over_time}({expr}[10m]) >= 0" if over_time else f"{expr} >= 0"
     return {r["metric"]["fragment"]: float(r["value"][1]) for r in instant_query(PROMETHEUS, expr)}

@@ -23,7 +23,7 @@ import torch
 
 from common.codec import CODECS
 from common.metrics_http import check_listen
-from common.sparse import DEFAULT_TOPK_FRACTION
+from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_TOPK_FRACTION
 from learner.model import GPTConfig
 
 
@@ -98,7 +98,7 @@ class SyncConfig:
     sparse sparse_2bit or sparse_fp4 (with error feedback; common/sparse.py)."""
     push_topk_fraction: float = DEFAULT_TOPK_FRACTION
     """Sparse push codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
-    push_feedback_decay: float = 0.95
+    push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY
     """Sparse push codecs: β in e ← β·e + Δ, the error-feedback residual's decay before each
     push adds its pseudo-gradient (SparseLoCo's momentum-like accumulator; 1: no decay).
     Pair it with the server's outer step for sparse pulls (docs/RESULTS.md, sparse)."""

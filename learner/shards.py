@@ -36,9 +36,9 @@ from common.retry import is_retryable
 from common.traffic import Traffic
 from learner.client import AggregatorClient
 from learner.heartbeat import Membership
-from learner.shard_sessions import SEP, ShardSessions, combined_epoch, session_of
+from learner.shard_sessions import SEP, ShardSessions, session_of
 
-__all__ = ["SEP", "ShardMapError", "ShardedClient", "check_agreement", "combined_epoch"]
+__all__ = ["SEP", "ShardMapError", "ShardedClient"]
 
 log = logging.getLogger("diloco.learner")
 

@@ -22,10 +22,14 @@ from typing import Any, Protocol
 
 import torch
 
-from common.codec import codec_id
+from common.codec import is_sparse
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.sparse import DEFAULT_TOPK_FRACTION, fragment_with_feedback, topk_k
-from common.sparse_wire import SPARSE_CODECS
+from common.sparse import (
+    DEFAULT_FEEDBACK_DECAY,
+    DEFAULT_TOPK_FRACTION,
+    fragment_with_feedback,
+    topk_k,
+)
 from common.wire import apply_updates, decode_fragment, encode_fragment, params_crc32
 
 
@@ -174,7 +178,7 @@ class StreamingSync:
         blocking: bool = True,
         start_step: int = 0,
         push_topk_fraction: float = DEFAULT_TOPK_FRACTION,
-        push_feedback_decay: float = 1.0,
+        push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
         Otherwise (quorum, async) keep training and merge on arrival. A sparse `push_codec`
@@ -238,7 +242,7 @@ class StreamingSync:
 
     def _encode_push(self, fragment: int, deltas: list[torch.Tensor]) -> bytes:
         """The push's payload; a sparse codec sends deltas + residual and keeps the rest."""
-        if codec_id(self.push_codec) not in SPARSE_CODECS:
+        if not is_sparse(self.push_codec):
             return encode_fragment(deltas, self.push_codec)
         if fragment not in self.push_residuals:
             self.push_residuals[fragment] = [torch.zeros_like(d) for d in deltas]

@@ -18,12 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from common.codec import CODECS, codec_id
+from common.codec import CODECS, is_sparse
 from common.config import build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
 from common.sparse import DEFAULT_TOPK_FRACTION
-from common.sparse_wire import SPARSE_CODECS
 from server.influence import ROBUST_MERGES
 from server.network_config import LimitsConfig, NetworkConfig
 from server.policy import MODES, WEIGHTINGS
@@ -136,7 +135,7 @@ def outer_recipe(values: Mapping[str, Any]) -> dict[str, Any]:
     if values.get("recipe") == "paper":
         return {"outer_momentum_warmup_rounds": 0, "pull_codec": "fp4_e3m0"}
     pull_codec = values.get("pull_codec")
-    if pull_codec in CODECS and codec_id(pull_codec) in SPARSE_CODECS:
+    if is_sparse(pull_codec):
         return {**SPARSE_OUTER, "pull_topk_fraction": SPARSE_PULL_TOPK_FRACTION}
     if values.get("mode") == "async":
         return {"outer_momentum_warmup_rounds": 0}

@@ -43,13 +43,13 @@ class GlobalParams:
         self,
         streaming: StreamingConfig,
         new_outer: Callable[[], OuterOptimizer],
-        sharding: ShardingConfig | None = None,
+        sharding: ShardingConfig,
     ) -> None:
         self.fingerprint: list[ParamSpec] | None = None
         self.fragments: list[FragmentState] = []
         self.shard_map: ShardMap | None = None  # with the fingerprint
         self._streaming = streaming
-        self._sharding = sharding or ShardingConfig()
+        self._sharding = sharding
         self._new_outer = new_outer
 
     def adopt(self, fingerprint: list[ParamSpec]) -> None:

@@ -49,9 +49,8 @@ import torch
 
 from common.atomic import atomic_write
 from common.checksum import crc32
-from common.codec import codec_id
+from common.codec import is_sparse
 from common.errors import NotFound
-from common.sparse_wire import SPARSE_CODECS
 from server.config import PersistenceConfig, ShardingConfig, StreamingConfig
 from server.events import AggregatorEvents
 from server.fragment import FragmentState
@@ -99,7 +98,7 @@ def state_identity(
         "pull_codec": streaming.pull_codec,
         **shard_identity(sharding.shard_index, sharding.shard_count),
     }
-    if codec_id(streaming.pull_codec) in SPARSE_CODECS:
+    if is_sparse(streaming.pull_codec):
         identity["pull_topk_fraction"] = streaming.pull_topk_fraction
     return identity
 

@@ -1,6 +1,6 @@
 """The aggregator as N shards: which shard owns which fragment, and the map's identity.
 
-    shard_map = ShardMap.build(config.sharding, fingerprint, groups, layout="strided")
+    shard_map = ShardMap.build(shard_index, shard_count, fingerprint, groups, "strided")
     shard_map.check_owned(fragment_id)   # FailedPrecondition naming the owner otherwise
 
 The fragment layout is computed once from the fingerprint (common/fragments.py), the same on

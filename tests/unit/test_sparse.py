@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import fp4_native
-from common.codec import decode, encode
+from common.codec import CODECS, decode, encode, is_sparse
 from common.errors import InvalidArgument
 from common.fragment_wire import check_tensor, tensor_message
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -230,3 +230,8 @@ def test_the_c_selection_gives_the_torch_paths_bytes(codec: int, k: int, monkeyp
             strict=True,
         ):
             assert torch.equal(a, b)
+
+
+def test_is_sparse_names_exactly_the_top_k_codecs() -> None:
+    assert sorted(name for name in CODECS if is_sparse(name)) == ["sparse_2bit", "sparse_fp4"]
+    assert not is_sparse("no_such_codec")

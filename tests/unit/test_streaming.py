@@ -237,7 +237,7 @@ def test_sparse_pushes_carry_what_earlier_pushes_left_out() -> None:
     transport = RecordingTransport([replica])
     sync = StreamingSync(
         params, [replica], Schedule(1), transport, "sparse_2bit", merge_alpha=1.0,
-        push_topk_fraction=1 / 32,
+        push_topk_fraction=1 / 32, push_feedback_decay=1.0,
     )  # fmt: skip
     total = torch.zeros(shape, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
