@@ -313,3 +313,13 @@ def _resolved_types(cls: type) -> dict[str, Any]:
         if args and type(None) in args:
             hints[name] = next(a for a in args if a is not type(None))
     return hints
+
+
+def address_list(text: str, setting: str) -> list[str]:
+    """The host:port addresses of a comma-separated setting, in order; ValueError naming
+    the setting for an entry that is not host:port."""
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for address in addresses:
+        if ":" not in address:
+            raise ValueError(f"{setting} must be host:port, got {address!r}")
+    return addresses

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from common.codec import CODECS
+from common.config import address_list
 from common.metrics_http import check_listen
 from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_TOPK_FRACTION
 from learner.model import GPTConfig
@@ -52,9 +53,6 @@ class ConnectionConfig:
     """Give up if the server cannot be reached for this long at start."""
 
     def __post_init__(self) -> None:
-        for address in self.addresses():
-            if ":" not in address:
-                raise ValueError(f"server must be host:port, got {address!r}")
         if not self.addresses():
             raise ValueError("server must name at least one host:port")
         if not self.learner_id:
@@ -66,7 +64,7 @@ class ConnectionConfig:
 
     def addresses(self) -> list[str]:
         """The shard addresses `server` lists, in index order."""
-        return [a.strip() for a in self.server.split(",") if a.strip()]
+        return address_list(self.server, "server")
 
 
 RECIPES = ("best", "paper")

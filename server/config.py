@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.codec import CODECS, is_sparse
-from common.config import build_config
+from common.config import address_list, build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
 from common.sparse import DEFAULT_TOPK_FRACTION
@@ -267,12 +267,9 @@ class ShardingConfig:
                 f"shard_addresses lists {len(addresses)} addresses; it must list all "
                 f"{self.shard_count} shards, in index order"
             )
-        for address in addresses:
-            if ":" not in address:
-                raise ValueError(f"shard_addresses: {address!r} is not host:port")
 
     def addresses(self) -> list[str]:
-        return [a.strip() for a in self.shard_addresses.split(",") if a.strip()]
+        return address_list(self.shard_addresses, "shard_addresses")
 
 
 @dataclass(kw_only=True)

@@ -109,7 +109,10 @@ def test_one_shard_is_the_plain_server() -> None:
             {"shard_count": 2, "shard_addresses": "a:1"},
             "shard_addresses lists 1 addresses; it must list all 2 shards",
         ),
-        ({"shard_count": 2, "shard_addresses": "a:1,b"}, "'b' is not host:port"),
+        (
+            {"shard_count": 2, "shard_addresses": "a:1,b"},
+            "shard_addresses must be host:port, got 'b'",
+        ),
     ],
 )
 def test_bad_shard_settings_name_the_setting(settings: dict, message: str) -> None:
