@@ -127,22 +127,15 @@ class Persistence:
         if self._store is None:
             return None
         restored = _restore(self._store)
-        if restored is not None:
-            mine = self._identity
-            check_state_dir_shard(
-                self.state_dir,
-                restored.identity,
-                mine.get("shard_index", 0),
-                mine.get("shard_count", 1),
-            )
-        if restored is not None and restored.identity != self._identity:
+        if restored is None:
+            return None
+        check_state_dir_shard(self.state_dir, restored.identity, self._identity)
+        if restored.identity != self._identity:
             raise ValueError(
                 f"state dir {self.state_dir} was written with {restored.identity}; "
                 f"start the server with the same settings or a new state dir"
             )
-        if restored is not None:
-            restored = replace(restored, updates=self._counted(restored.updates))
-        return restored
+        return replace(restored, updates=self._counted(restored.updates))
 
     def _counted(self, updates: Iterator[LogRecord]) -> Iterator[LogRecord]:
         """The log's rounds count towards the next snapshot as if this process had closed

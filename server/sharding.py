@@ -116,11 +116,13 @@ def shard_identity(shard_index: int, shard_count: int) -> dict:
     return {"shard_index": shard_index, "shard_count": shard_count}
 
 
-def check_state_dir_shard(
-    state_dir: str, recorded: dict, shard_index: int, shard_count: int
-) -> None:
-    """Refuse a state dir written by another shard, or under another N, with what to do."""
-    was = (recorded.get("shard_index", 0), recorded.get("shard_count", 1))
+def check_state_dir_shard(state_dir: str, recorded: dict, mine: dict) -> None:
+    """Refuse a state dir written by another shard, or under another N, with what to do.
+    `recorded`, `mine`: state identities (a single server's records no shard: 0 of 1)."""
+    was, (shard_index, shard_count) = (
+        (identity.get("shard_index", 0), identity.get("shard_count", 1))
+        for identity in (recorded, mine)
+    )
     if was == (shard_index, shard_count):
         return
     raise ValueError(
