@@ -62,6 +62,28 @@ class Backoff:
         self.attempt = 0
 
 
+class RetryGate:
+    """When an attempt that failed may be made again (a rejoin tried from the training loop,
+    which must not wait): after the next backoff delay, or the server's hint if longer."""
+
+    def __init__(self, backoff: Backoff | None = None) -> None:
+        self._backoff = backoff or Backoff()
+        self._next_s = 0.0
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next_s
+
+    def failed(self, err: grpc.RpcError) -> float:
+        """Note a failure; returns the delay before the next try."""
+        delay = max(self._backoff.next_delay_s(), retry_after_s(err) or 0.0)
+        self._next_s = time.monotonic() + delay
+        return delay
+
+    def succeeded(self) -> None:
+        self._backoff.reset()
+        self._next_s = 0.0
+
+
 def call_with_retry(
     call: Callable[[], T],
     stop: threading.Event,

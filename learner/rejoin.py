@@ -18,12 +18,11 @@ session's, and SyncSession joins again instead.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import grpc
 
-from common.retry import Backoff, is_retryable, retry_after_s
+from common.retry import RetryGate, is_retryable
 from learner.progress import SavedReplica
 
 if TYPE_CHECKING:
@@ -37,14 +36,13 @@ class ShardRejoins:
 
     def __init__(self, session: SyncSession) -> None:
         self.session = session
-        self._backoff = Backoff()
-        self._next_try_s = 0.0
+        self._gate = RetryGate()
 
     def try_rejoin(self, wait: bool = False) -> bool:
         """Join each lost shard again; True if local parameters changed. A shard that cannot
         be reached is tried again after a backoff; `wait`: raise its error instead."""
         lost = self.session.client.lost_shards()
-        if not lost or (not wait and time.monotonic() < self._next_try_s):
+        if not lost or (not wait and not self._gate.due()):
             return False
         changed = False
         for shard in sorted(lost):
@@ -55,8 +53,7 @@ class ShardRejoins:
                 # Away, or already lost again (NOT_FOUND): another try later.
                 if wait or not (is_retryable(err) or err.code() == grpc.StatusCode.NOT_FOUND):
                     raise
-                delay = max(self._backoff.next_delay_s(), retry_after_s(err) or 0.0)
-                self._next_try_s = time.monotonic() + delay
+                delay = self._gate.failed(err)
                 log.warning(
                     "learner=%s shard=%d unreachable (%s); training on, next try in %.1f s",
                     self.session.learner_id,
@@ -65,7 +62,7 @@ class ShardRejoins:
                     delay,
                 )
                 return changed
-        self._backoff.reset()
+        self._gate.succeeded()
         return changed
 
     def _rejoin(self, shard: int) -> bool:

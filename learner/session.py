@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.retry import Backoff, Stopped, call_with_retry, is_retryable, retry_after_s
+from common.retry import RetryGate, Stopped, call_with_retry, is_retryable
 from common.wire import params_crc32
 from learner.config import DilocoSyncConfig
 from learner.connection import connect
@@ -75,8 +75,7 @@ class SyncSession:
             lambda: self.step,
             self._resync,
         )
-        self._rejoin_backoff = Backoff()
-        self._next_rejoin_s = 0.0
+        self._rejoin_gate = RetryGate()
         self.shard_rejoins = ShardRejoins(self)
 
     @property
@@ -185,15 +184,14 @@ class SyncSession:
 
     def _try_rejoin(self) -> bool:
         """Join again and pull snapshots; if the server is still away, try later."""
-        if time.monotonic() < self._next_rejoin_s:
+        if not self._rejoin_gate.due():
             return False
         try:
             self._join()
         except grpc.RpcError as err:
             if not is_retryable(err):  # the server is away, or asks us to come back later
                 raise
-            delay = max(self._rejoin_backoff.next_delay_s(), retry_after_s(err) or 0.0)
-            self._next_rejoin_s = time.monotonic() + delay
+            delay = self._rejoin_gate.failed(err)
             log.warning(
                 "learner=%s server unreachable (%s); training on, next try in %.1f s",
                 self.learner_id,
@@ -201,7 +199,7 @@ class SyncSession:
                 delay,
             )
             return False
-        self._rejoin_backoff.reset()
+        self._rejoin_gate.succeeded()
         self._resync.clear()
         self.progress.rejoins += 1
         return True
