@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from common.config import build_config
+from deploy.launcher import Daemon
 from server.app import AggregatorService
 from server.config import ServerConfig
-from tests.support.processes import learner_process
+from tests.support.processes import learner_process, server_process
 
 
 @pytest.fixture
@@ -47,3 +48,19 @@ def start_learner(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def start_server_process(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    """Start `diloco-server` processes by their flags, metrics on, logging to
+    tmp_path/server.log, server1.log, ...; stopped after the test."""
+    daemons: list[Daemon] = []
+
+    def start(*flags: str) -> Daemon:
+        name = f"server{len(daemons) or ''}"
+        daemons.append(server_process(tmp_path, name, *flags, metrics=True))
+        return daemons[-1]
+
+    yield start
+    for daemon in daemons:
+        daemon.stop()

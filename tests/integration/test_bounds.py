@@ -21,7 +21,7 @@ from common.retry import wait_until
 from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME, create_channel
 from common.wire import chunks, encode_fragment
 from server.auth import add_token
-from tests.support.processes import metric, server_process
+from tests.support.processes import metric
 
 
 def list_services(channel: grpc.Channel, metadata=()) -> list[str]:
@@ -39,26 +39,20 @@ def code_of(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_reflection_is_off_by_default(tmp_path: Path) -> None:
-    server = server_process(tmp_path, "server")
-    try:
-        with create_channel(f"127.0.0.1:{server.port}") as channel:
-            assert code_of(lambda: list_services(channel)) == grpc.StatusCode.UNIMPLEMENTED
-    finally:
-        server.stop()
+def test_reflection_is_off_by_default(start_server_process) -> None:
+    server = start_server_process()
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        assert code_of(lambda: list_services(channel)) == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_reflection_needs_a_token_when_auth_is_on(tmp_path: Path) -> None:
+def test_reflection_needs_a_token_when_auth_is_on(tmp_path: Path, start_server_process) -> None:
     path = tmp_path / "tokens.txt"
     token = add_token(str(path), "a")
-    server = server_process(tmp_path, "server", "--auth-token-file", str(path), "--reflection")
-    try:
-        with create_channel(f"127.0.0.1:{server.port}") as channel:
-            assert code_of(lambda: list_services(channel)) == grpc.StatusCode.UNAUTHENTICATED
-            metadata = ((LEARNER_ID_HEADER, "a"), ("authorization", f"Bearer {token}"))
-            assert SERVICE_NAME in list_services(channel, metadata)
-    finally:
-        server.stop()
+    server = start_server_process("--auth-token-file", str(path), "--reflection")
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        assert code_of(lambda: list_services(channel)) == grpc.StatusCode.UNAUTHENTICATED
+        metadata = ((LEARNER_ID_HEADER, "a"), ("authorization", f"Bearer {token}"))
+        assert SERVICE_NAME in list_services(channel, metadata)
 
 
 def joined_session(
@@ -94,17 +88,14 @@ WAITING = "diloco_server_waiting_pulls"
 
 
 @pytest.fixture
-def server(tmp_path: Path):
+def server(start_server_process):
     """A server process that lets a learner hold 4 calls, with a worker thread to spare;
     learner a's session, which has set the parameters (version 0)."""
     flags = ("--lease-s", "60", "--max-calls-in-flight", "4", "--worker-threads", "5")
-    daemon = server_process(tmp_path, "server", *flags, metrics=True)
-    try:
-        with create_channel(f"127.0.0.1:{daemon.port}") as channel:
-            stub = pb_grpc.AggregatorStub(channel)
-            yield daemon, stub, joined_session(stub, "a", initialize=True)
-    finally:
-        daemon.stop()
+    daemon = start_server_process(*flags)
+    with create_channel(f"127.0.0.1:{daemon.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        yield daemon, stub, joined_session(stub, "a", initialize=True)
 
 
 def test_abandoned_long_polls_free_their_workers(server) -> None:
@@ -135,42 +126,36 @@ def test_calls_open_per_learner_are_bounded(server) -> None:
         poll.cancel()
 
 
-def test_health_checks_answer_while_every_worker_is_held(tmp_path: Path) -> None:
+def test_health_checks_answer_while_every_worker_is_held(start_server_process) -> None:
     flags = ("--worker-threads", "2", "--lease-s", "60")
-    server = server_process(tmp_path, "server", *flags, metrics=True)
-    try:
-        with create_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.AggregatorStub(channel)
-            session = joined_session(stub, "a", initialize=True)
-            polls = [long_poll(stub, session, "a") for _ in range(2)]
-            wait_until(lambda: metric(server, WAITING) == 2, 20, "2 workers held")
-            # Bound: on the learners' pool the check would wait for a poll's 60 s.
-            health = health_pb2_grpc.HealthStub(channel)
-            assert health.Check(health_pb2.HealthCheckRequest(), timeout=20).status == 1
-            for poll in polls:
-                poll.cancel()
-    finally:
-        server.stop()
+    server = start_server_process(*flags)
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        session = joined_session(stub, "a", initialize=True)
+        polls = [long_poll(stub, session, "a") for _ in range(2)]
+        wait_until(lambda: metric(server, WAITING) == 2, 20, "2 workers held")
+        # Bound: on the learners' pool the check would wait for a poll's 60 s.
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=20).status == 1
+        for poll in polls:
+            poll.cancel()
 
 
-def test_a_pull_whose_reader_stops_reading_is_cut(tmp_path: Path) -> None:
-    server = server_process(tmp_path, "server", "--stream-idle-timeout-s", "1", metrics=True)
-    try:
-        with create_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.AggregatorStub(channel)
-            # 32 MB: far more than HTTP/2's window (which BDP probing grows) and the loopback
-            # sockets' buffers take unread, so the server's send must block.
-            session = joined_session(stub, "a", initialize=True, size=8_000_000)
-            request = pb.PullParamsRequest(session_id=session, have_version=-1)
-            pull = stub.PullParams(request, metadata=((LEARNER_ID_HEADER, "a"),), timeout=60)
-            assert next(pull).header.payload_bytes > 32_000_000
-            cut = "diloco_server_cut_calls_total"
-            wait_until(lambda: metric(server, cut, reason="idle") == 1, 20, "cut")
-            with pytest.raises(grpc.RpcError) as err:
-                list(pull)  # what the transport had taken, then the status
-            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    finally:
-        server.stop()
+def test_a_pull_whose_reader_stops_reading_is_cut(start_server_process) -> None:
+    server = start_server_process("--stream-idle-timeout-s", "1")
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        # 32 MB: far more than HTTP/2's window (which BDP probing grows) and the loopback
+        # sockets' buffers take unread, so the server's send must block.
+        session = joined_session(stub, "a", initialize=True, size=8_000_000)
+        request = pb.PullParamsRequest(session_id=session, have_version=-1)
+        pull = stub.PullParams(request, metadata=((LEARNER_ID_HEADER, "a"),), timeout=60)
+        assert next(pull).header.payload_bytes > 32_000_000
+        cut = "diloco_server_cut_calls_total"
+        wait_until(lambda: metric(server, cut, reason="idle") == 1, 20, "cut")
+        with pytest.raises(grpc.RpcError) as err:
+            list(pull)  # what the transport had taken, then the status
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 # -- deadlines for streams, streams per connection, revocation --------------------------
@@ -193,39 +178,36 @@ def release() -> Iterator[threading.Event]:
     event.set()
 
 
-def test_silent_pushes_are_cut_and_leases_hold(tmp_path: Path, release) -> None:
+def test_silent_pushes_are_cut_and_leases_hold(start_server_process, release) -> None:
     """Twice as many silent pushes as worker threads: each is cut after the idle timeout,
     and a learner heartbeating on its own connection meanwhile keeps its lease."""
     flags = ("--lease-s", "5", "--worker-threads", "4", "--stream-idle-timeout-s", "1")
-    server = server_process(tmp_path, "server", *flags, metrics=True)
-    try:
-        with (
-            create_channel(f"127.0.0.1:{server.port}") as channel,
-            create_channel(f"127.0.0.1:{server.port}") as own,
-        ):
-            stub, good_stub = pb_grpc.AggregatorStub(channel), pb_grpc.AggregatorStub(own)
-            session = joined_session(stub, "a", initialize=True)
-            good = joined_session(good_stub, "b")
-            metadata = ((LEARNER_ID_HEADER, "a"),)
-            pushes = [
-                stub.PushFragment.future(silent_push(session, release), metadata=metadata)
-                for _ in range(8)
-            ]
-            beats = 0
-            # Bounded: the pushes end within seconds; without the cut, never.
-            while not all(p.done() for p in pushes) and beats < 120:
-                heartbeat = pb.HeartbeatRequest(session_id=good)
-                good_stub.Heartbeat(heartbeat, metadata=((LEARNER_ID_HEADER, "b"),), timeout=5)
-                beats += 1
-                release.wait(0.25)  # a learner's heartbeat period
-            for push in pushes:
-                assert push.exception(timeout=1).code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                assert "stream_idle_timeout_s" in push.exception().details()
-            cut = "diloco_server_cut_calls_total"
-            wait_until(lambda: metric(server, cut, reason="idle") == 8, 10, "8 cuts counted")
+    server = start_server_process(*flags)
+    with (
+        create_channel(f"127.0.0.1:{server.port}") as channel,
+        create_channel(f"127.0.0.1:{server.port}") as own,
+    ):
+        stub, good_stub = pb_grpc.AggregatorStub(channel), pb_grpc.AggregatorStub(own)
+        session = joined_session(stub, "a", initialize=True)
+        good = joined_session(good_stub, "b")
+        metadata = ((LEARNER_ID_HEADER, "a"),)
+        pushes = [
+            stub.PushFragment.future(silent_push(session, release), metadata=metadata)
+            for _ in range(8)
+        ]
+        beats = 0
+        # Bounded: the pushes end within seconds; without the cut, never.
+        while not all(p.done() for p in pushes) and beats < 120:
+            heartbeat = pb.HeartbeatRequest(session_id=good)
             good_stub.Heartbeat(heartbeat, metadata=((LEARNER_ID_HEADER, "b"),), timeout=5)
-    finally:
-        server.stop()
+            beats += 1
+            release.wait(0.25)  # a learner's heartbeat period
+        for push in pushes:
+            assert push.exception(timeout=1).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "stream_idle_timeout_s" in push.exception().details()
+        cut = "diloco_server_cut_calls_total"
+        wait_until(lambda: metric(server, cut, reason="idle") == 8, 10, "8 cuts counted")
+        good_stub.Heartbeat(heartbeat, metadata=((LEARNER_ID_HEADER, "b"),), timeout=5)
 
 
 def trickled_push(session: str, release: threading.Event) -> Iterator[pb.PushFragmentRequest]:
@@ -242,85 +224,78 @@ def trickled_push(session: str, release: threading.Event) -> Iterator[pb.PushFra
     release.wait(60)
 
 
-def test_a_push_that_trickles_is_cut(tmp_path: Path, release) -> None:
+def test_a_push_that_trickles_is_cut(start_server_process, release) -> None:
     """Never idle for the idle timeout (5 s), but at 5 bytes/s: cut once its whole-stream
     bound (5 s + 4,000 bytes at 1,000 bytes/s) has passed."""
     flags = ("--stream-idle-timeout-s", "5", "--stream-min-bytes-per-s", "1000")
-    server = server_process(tmp_path, "server", *flags, metrics=True)
-    try:
-        with create_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.AggregatorStub(channel)
-            session = joined_session(stub, "a", initialize=True, size=2000)  # 8,000 bytes
-            metadata = ((LEARNER_ID_HEADER, "a"),)
-            push = stub.PushFragment.future(trickled_push(session, release), metadata=metadata)
-            error = push.exception(timeout=60)
-            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "stream_min_bytes_per_s" in error.details()
-            cut = "diloco_server_cut_calls_total"
-            wait_until(lambda: metric(server, cut, reason="slow") == 1, 10, "1 cut counted")
-    finally:
-        server.stop()
+    server = start_server_process(*flags)
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        session = joined_session(stub, "a", initialize=True, size=2000)  # 8,000 bytes
+        metadata = ((LEARNER_ID_HEADER, "a"),)
+        push = stub.PushFragment.future(trickled_push(session, release), metadata=metadata)
+        error = push.exception(timeout=60)
+        assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "stream_min_bytes_per_s" in error.details()
+        cut = "diloco_server_cut_calls_total"
+        wait_until(lambda: metric(server, cut, reason="slow") == 1, 10, "1 cut counted")
 
 
-def test_streams_per_connection_are_bounded(tmp_path: Path) -> None:
+def test_streams_per_connection_are_bounded(start_server_process) -> None:
     """With 4 long-polls open on a connection of a server that allows 4 streams, a fifth call
     on it waits for one to end; another connection is not affected."""
-    server = server_process(tmp_path, "server", "--max-concurrent-streams", "4", metrics=True)
-    try:
-        with (
-            create_channel(f"127.0.0.1:{server.port}") as channel,
-            create_channel(f"127.0.0.1:{server.port}") as other,
-        ):
-            stub = pb_grpc.AggregatorStub(channel)
-            session = joined_session(stub, "a", initialize=True)
-            polls = [long_poll(stub, session, "a") for _ in range(4)]
-            wait_until(lambda: metric(server, WAITING) == 4, 20, "4 long-polls waiting")
-            heartbeat = pb.HeartbeatRequest(session_id=session)
-            metadata = ((LEARNER_ID_HEADER, "a"),)
-            queued = stub.Heartbeat.future(heartbeat, metadata=metadata, timeout=30)
-            # The other connection answers while the fifth call on the first one waits (a
-            # heartbeat takes milliseconds when the connection lets it through).
-            pb_grpc.AggregatorStub(other).Heartbeat(heartbeat, metadata=metadata, timeout=10)
-            with pytest.raises(grpc.FutureTimeoutError):
-                queued.result(timeout=3)
-            polls[0].cancel()
-            assert queued.result(timeout=20).server_epoch  # it ran once a stream was free
-            for poll in polls[1:]:
-                poll.cancel()
-    finally:
-        server.stop()
+    server = start_server_process("--max-concurrent-streams", "4")
+    with (
+        create_channel(f"127.0.0.1:{server.port}") as channel,
+        create_channel(f"127.0.0.1:{server.port}") as other,
+    ):
+        stub = pb_grpc.AggregatorStub(channel)
+        session = joined_session(stub, "a", initialize=True)
+        polls = [long_poll(stub, session, "a") for _ in range(4)]
+        wait_until(lambda: metric(server, WAITING) == 4, 20, "4 long-polls waiting")
+        heartbeat = pb.HeartbeatRequest(session_id=session)
+        metadata = ((LEARNER_ID_HEADER, "a"),)
+        queued = stub.Heartbeat.future(heartbeat, metadata=metadata, timeout=30)
+        # The other connection answers while the fifth call on the first one waits (a
+        # heartbeat takes milliseconds when the connection lets it through).
+        pb_grpc.AggregatorStub(other).Heartbeat(heartbeat, metadata=metadata, timeout=10)
+        with pytest.raises(grpc.FutureTimeoutError):
+            queued.result(timeout=3)
+        polls[0].cancel()
+        assert queued.result(timeout=20).server_epoch  # it ran once a stream was free
+        for poll in polls[1:]:
+            poll.cancel()
 
 
-def test_revoking_a_token_ends_its_open_calls(tmp_path: Path, release) -> None:
+def test_revoking_a_token_ends_its_open_calls(
+    tmp_path: Path, start_server_process, release
+) -> None:
     path = tmp_path / "tokens.txt"
     tokens = {learner: add_token(str(path), learner) for learner in ("a", "b")}
-    server = server_process(tmp_path, "server", "--auth-token-file", str(path), metrics=True)
-    try:
-        with create_channel(f"127.0.0.1:{server.port}") as channel:
-            stub = pb_grpc.AggregatorStub(channel)
-            creds = {
-                learner: ((LEARNER_ID_HEADER, learner), ("authorization", f"Bearer {token}"))
-                for learner, token in tokens.items()
-            }
-            a = joined_session(stub, "a", initialize=True, metadata=creds["a"])
-            b = joined_session(stub, "b", metadata=creds["b"])
-            # Bounds: without the revocation the poll waits 60 s, the push 30 s (idle).
-            a_poll = long_poll(stub, a, "a", metadata=creds["a"], timeout_s=20)
-            b_poll = long_poll(stub, b, "b", metadata=creds["b"])
-            a_push = stub.PushFragment.future(silent_push(a, release), metadata=creds["a"])
-            wait_until(lambda: metric(server, WAITING) == 2, 20, "2 long-polls waiting")
-            kept = [line for line in path.read_text().splitlines() if not line.startswith("a ")]
-            path.write_text("\n".join(kept) + "\n")
-            server.signal(signal.SIGHUP)
-            with pytest.raises(grpc.RpcError) as err:
-                list(a_poll)
-            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert "revoked" in err.value.details()
-            assert a_push.exception(timeout=20).code() == grpc.StatusCode.UNAUTHENTICATED
-            revoked = "diloco_server_cut_calls_total"
-            wait_until(lambda: metric(server, revoked, reason="revoked") == 2, 10, "2 counted")
-            wait_until(lambda: metric(server, WAITING) == 1, 10, "b's long-poll alone")
-            assert b_poll.is_active()
-            b_poll.cancel()
-    finally:
-        server.stop()
+    server = start_server_process("--auth-token-file", str(path))
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        creds = {
+            learner: ((LEARNER_ID_HEADER, learner), ("authorization", f"Bearer {token}"))
+            for learner, token in tokens.items()
+        }
+        a = joined_session(stub, "a", initialize=True, metadata=creds["a"])
+        b = joined_session(stub, "b", metadata=creds["b"])
+        # Bounds: without the revocation the poll waits 60 s, the push 30 s (idle).
+        a_poll = long_poll(stub, a, "a", metadata=creds["a"], timeout_s=20)
+        b_poll = long_poll(stub, b, "b", metadata=creds["b"])
+        a_push = stub.PushFragment.future(silent_push(a, release), metadata=creds["a"])
+        wait_until(lambda: metric(server, WAITING) == 2, 20, "2 long-polls waiting")
+        kept = [line for line in path.read_text().splitlines() if not line.startswith("a ")]
+        path.write_text("\n".join(kept) + "\n")
+        server.signal(signal.SIGHUP)
+        with pytest.raises(grpc.RpcError) as err:
+            list(a_poll)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "revoked" in err.value.details()
+        assert a_push.exception(timeout=20).code() == grpc.StatusCode.UNAUTHENTICATED
+        revoked = "diloco_server_cut_calls_total"
+        wait_until(lambda: metric(server, revoked, reason="revoked") == 2, 10, "2 counted")
+        wait_until(lambda: metric(server, WAITING) == 1, 10, "b's long-poll alone")
+        assert b_poll.is_active()
+        b_poll.cancel()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -21,7 +20,7 @@ from common.wire import decode_fragment, encode_fragment
 from deploy.launcher import Daemon
 from learner.api import DilocoSync
 from learner.client import AggregatorClient
-from tests.support.processes import metric, server_process
+from tests.support.processes import metric
 
 SHAPES = [(4, 8), (8,)]
 FINGERPRINT = [pb.ParamSpec(name=f"p{i}", shape=s, dtype="float32") for i, s in enumerate(SHAPES)]
@@ -40,21 +39,19 @@ def version(server: Daemon) -> float:
 
 
 @pytest.fixture
-def started(tmp_path: Path) -> Iterator:
+def started(start_server_process) -> Iterator:
     """Start server processes by their flags, each with a client; all stopped after the test."""
-    daemons, clients = [], []
+    clients = []
 
     def start(*flags: str) -> tuple[Daemon, AggregatorClient]:
-        daemons.append(server_process(tmp_path, f"server{len(daemons)}", *flags, metrics=True))
-        clients.append(AggregatorClient(f"127.0.0.1:{daemons[-1].port}"))
+        daemon = start_server_process(*flags)
+        clients.append(AggregatorClient(f"127.0.0.1:{daemon.port}"))
         clients[-1].wait_ready(20)
-        return daemons[-1], clients[-1]
+        return daemon, clients[-1]
 
     yield start
     for client in clients:
         client.close()
-    for daemon in daemons:
-        daemon.stop()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import wait_until
 from common.rpc import LEARNER_ID_HEADER, create_channel
 from common.wire import CHUNK_BYTES, chunks, encode_fragment
-from tests.support.processes import metric, server_process
+from tests.support.processes import metric
 
 VALUES = 2 << 20  # an 8 MiB fp32 fragment
 SPECS = [pb.ParamSpec(name="w", shape=[VALUES], dtype="float32")]
@@ -44,10 +44,10 @@ def half_sent(session: str, payload_bytes: int, hold: threading.Event):
     hold.wait(120)
 
 
-def test_half_sent_pushes_hold_at_most_the_budget(tmp_path: Path) -> None:
-    server = server_process(
-        tmp_path, "server", "--mode", "quorum", "--lease-s", "120", "--max-calls-in-flight",
-        "0", "--push-memory-budget-mb", str(BUDGET_MB), metrics=True,
+def test_half_sent_pushes_hold_at_most_the_budget(start_server_process) -> None:
+    server = start_server_process(
+        "--mode", "quorum", "--lease-s", "120", "--max-calls-in-flight", "0",
+        "--push-memory-budget-mb", str(BUDGET_MB),
     )  # fmt: skip
     hold = threading.Event()
     calls = []
@@ -106,4 +106,3 @@ def test_half_sent_pushes_hold_at_most_the_budget(tmp_path: Path) -> None:
             assert reply.accepted
     finally:
         hold.set()
-        server.stop()
