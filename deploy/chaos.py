@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from common.retry import wait_until
-from deploy.chaos_faults import KINDS, SHARD_KINDS, Event, Faults
+from deploy.chaos_faults import Event, Faults, kinds_for
 from deploy.chaos_report import Run, evaluate, verdict
 from deploy.cluster import Cluster
 from deploy.watch import Watch
@@ -118,7 +118,7 @@ def run(
     watch = Watch(cluster.daemons, cluster.now)
     watch.start()
     rng = random.Random(seed)
-    schedule_faults = Faults(SHARD_KINDS if shards > 1 else KINDS, rng)
+    schedule_faults = Faults(kinds_for(shards), rng)
     events: list[Event] = []
     loads: list[float] = []
     every_s, started, aborted = schedule.fault_every_s, 0.0, ""
@@ -244,13 +244,21 @@ PRESETS = {
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="diloco-chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--learners", type=int, default=3)
-    parser.add_argument("--duration-s", type=float, help="default 600")
-    parser.add_argument("--fault-every-s", type=float, help="default 15")
+    default = DEFAULTS
+    parser.add_argument("--duration-s", type=float, help=f"default {default['duration_s']:g}")
+    parser.add_argument("--fault-every-s", type=float, help=f"default {default['fault_every_s']:g}")
     parser.add_argument(
-        "--fault-length-s", type=float, nargs=2, metavar=("MIN", "MAX"), help="default 1 4"
+        "--fault-length-s", type=float, nargs=2, metavar=("MIN", "MAX"),
+        help="default {:g} {:g}".format(*default["fault_length_s"]),
+    )  # fmt: skip
+    parser.add_argument(
+        "--faults", type=int, help=f"end after this many faults (default {default['faults']}: off)"
     )
-    parser.add_argument("--faults", type=int, help="end after this many faults (default 0: off)")
-    parser.add_argument("--quiet-tail-s", type=float, help="no fault in the last S s (default 10)")
+    parser.add_argument(
+        "--quiet-tail-s",
+        type=float,
+        help=f"no fault in the last S s (default {default['quiet_tail_s']:g})",
+    )
     parser.add_argument(
         "--max-loss-gap", type=float, help="fail if |final / fault-free loss - 1| exceeds this"
     )
@@ -296,8 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         root, args.learners, schedule, args.seed, args.shards, args.learner_nice
     )
     report = evaluate(faulty, fault_free)
-    kinds = SHARD_KINDS if args.shards > 1 else KINDS
-    report.failures = verdict(report, kinds, args.faults, args.max_loss_gap)
+    report.failures = verdict(report, kinds_for(args.shards), args.faults, args.max_loss_gap)
     report.wall_s = time.monotonic() - started
     report.command = shlex.join(["diloco-chaos", *(sys.argv[1:] if argv is None else argv)])
     print(json.dumps({k: v for k, v in asdict(report).items() if k != "timeline"}, indent=1))

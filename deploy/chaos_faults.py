@@ -44,6 +44,11 @@ SHARD_KINDS = ("learner_kill", "learner_stall", "net_cut", "shard_kill")
 SERVER_KINDS = ("server_kill", "shard_kill")
 
 
+def kinds_for(shards: int) -> tuple[str, ...]:
+    """The fault kinds of a run with this many aggregator shards."""
+    return SHARD_KINDS if shards > 1 else KINDS
+
+
 @dataclass
 class Event:
     t_s: float
