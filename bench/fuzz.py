@@ -2,7 +2,8 @@
 
     python -m bench.fuzz --cases 10000                     # servicer (direct), decoders, threads
     python -m bench.fuzz --cases 2000 --transport grpc     # through a loopback gRPC server
-    python -m bench.fuzz --cases 12000 --decoder-cases 83000 --concurrent-cases 5000 --workers 2
+    python -m bench.fuzz --cases 12000 --decoder-cases 83000 --concurrent-cases 5000 --workers 2 \
+        --seed 11 --out bench/results/fuzz_100k.json         # 100,000 cases, about 40 min
 
 Each servicer case is a fresh aggregator and 1-4 hostile calls (tests/support/fuzz/cases.py);
 each decoder case one hostile input to decode_fragment, decode or apply_updates; each concurrent
