@@ -39,7 +39,7 @@ from pathlib import Path
 
 from bench.sim.engine import Link
 from bench.sim.model import ModelSpec
-from bench.sim.throughput import Method, Scenario, _gradient_ready_s, _plan
+from bench.sim.throughput import Method, Scenario, fragment_plan, gradient_ready_s
 from server.sharding import fragment_owners
 
 INGEST_RESULTS = Path(__file__).resolve().parent.parent / "results" / "ingest.json"
@@ -97,7 +97,7 @@ def simulate_shards(
 ) -> ShardResult:
     """Run `periods` sync periods and measure all but the first (idle links flatter it)."""
     spec, schedule = scenario.spec, method.schedule()
-    plan = _plan(spec, method.fragments, method.codec, method.layout)
+    plan = fragment_plan(spec, method.fragments, method.codec, method.layout)
     if tier.shards > method.fragments:
         raise ValueError(f"{tier.shards} shards for {method.fragments} fragments: some own none")
     owner = fragment_owners([4 * n for n in plan.fragment_values], tier.shards)
@@ -129,11 +129,11 @@ def simulate_shards(
         backward_start = t + max(stall, 0.0) + layers * forward_s
         for p in schedule.pushes_at(step):
             s, closed, complete = owner[p], 0.0, 0.0
-            for stage, nbytes in sorted(
-                plan.stage_bytes[p].items(),
-                key=lambda kv: _gradient_ready_s(kv[0], backward_start, layers, backward_s),
-            ):
-                ready = _gradient_ready_s(stage, backward_start, layers, backward_s)
+            stages = [
+                (gradient_ready_s(stage, backward_start, layers, backward_s), nbytes)
+                for stage, nbytes in plan.stage_bytes[p].items()
+            ]
+            for ready, nbytes in sorted(stages, key=lambda s: s[0]):  # stable: ties keep order
                 complete = max(complete, ready)
                 _, at_shard = up.send(ready, nbytes)
                 _, received = nic_in[s].send(at_shard + latency_s, k * nbytes)
@@ -173,12 +173,10 @@ def shards_needed(
     if not 0 < target < 1:
         raise ValueError(f"target utilisation must be in (0, 1), got {target}")
     limit = min(method.fragments, max_shards or method.fragments)
-    if simulate_shards(scenario, method, replace(tier, shards=limit)).utilisation < target:
-        return math.inf
     for n in range(1, limit + 1):
         if simulate_shards(scenario, method, replace(tier, shards=n)).utilisation >= target:
             return n
-    return math.inf  # unreachable: n = limit passed above
+    return math.inf
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -103,7 +103,7 @@ def simulate(
     """Run `periods` sync periods (H steps each, at least 6 steps) and measure all but the
     first: it starts with an idle link, so it would flatter every method."""
     spec, schedule = scenario.spec, method.schedule()
-    plan = _plan(spec, method.fragments, method.codec, method.layout)
+    plan = fragment_plan(spec, method.fragments, method.codec, method.layout)
     layers, step_s = spec.layers, scenario.step_time_s
     forward_s = step_s * scenario.forward_fraction / layers  # per block
     backward_s = step_s * (1 - scenario.forward_fraction) / layers
@@ -138,7 +138,7 @@ def simulate(
         for p in schedule.pushes_at(step):
             in_flight[p] = {}
             for stage, nbytes in plan.stage_bytes[p].items():
-                done = _gradient_ready_s(stage, backward_start, layers, backward_s)
+                done = gradient_ready_s(stage, backward_start, layers, backward_s)
                 messages.append((done, p, stage, nbytes))
             largest = max(largest, plan.fragment_bytes[p])
         for done, p, stage, nbytes in sorted(messages):
@@ -162,7 +162,7 @@ def simulate(
     )
 
 
-def _gradient_ready_s(stage: int, backward_start: float, layers: int, backward_s: float) -> float:
+def gradient_ready_s(stage: int, backward_start: float, layers: int, backward_s: float) -> float:
     """The head's gradient is ready as the backward starts, block j's after blocks
     L-1 … j, the embedding's at the very end."""
     if stage >= layers:
@@ -175,7 +175,7 @@ def _gradient_ready_s(stage: int, backward_start: float, layers: int, backward_s
 _PLANS: dict[tuple, FragmentPlan] = {}
 
 
-def _plan(spec: ModelSpec, fragments: int, codec: str, layout: str) -> FragmentPlan:
+def fragment_plan(spec: ModelSpec, fragments: int, codec: str, layout: str) -> FragmentPlan:
     """Layouts are pure functions of their inputs; a bisection reuses one many times."""
     key = (spec, fragments, codec, layout)
     if key not in _PLANS:
