@@ -109,7 +109,7 @@ def main() -> int:
             if not tried:
                 continue
             best = min(tried, key=lambda r: results[r].eval_loss)
-            print(f"best {kind}: lr {best.lr:g} (eval loss {results[best].eval_loss:.4f})")
+            print(f"best {kind}: {best.method} (eval loss {results[best].eval_loss:.4f})")
     path = args.out / "quality_sweep.json"
     report = json.loads(path.read_text()) if path.exists() else {}
     # Sweeps of other rows add to the table: a row is its name, seed and step count.
