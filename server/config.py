@@ -118,12 +118,12 @@ RECIPES = ("best", "paper")
 
 
 # The best recipe for sparse pull codecs: the averaged pushes applied at twice their size, no
-# outer momentum, and a pull that keeps twice the push's default fraction (outer lr 2 over
-# three seeds beat 1 by 5.6%; 4 was worse than either: docs/RESULTS.md, "Headline rows"). Sparse pushes carry their own momentum
-# in the learners' decayed error-feedback residual (learner --push-feedback-decay,
-# SparseLoCo); a server momentum on top of it, behind a pull that sends 1/64 of each chunk a
-# round, keeps pushing along directions the learners have not been sent yet and diverges.
-# The mean of K top-k pushes is denser than each; a pull of 1/32 carries it with less delay
+# outer momentum, and a pull that keeps twice the push's default fraction. Sparse pushes carry
+# their own momentum in the learners' decayed error-feedback residual (learner
+# --push-feedback-decay, SparseLoCo); a server momentum on top of it, behind a pull that sends
+# 1/64 of each chunk a round, keeps pushing along directions the learners have not been sent
+# yet and diverges. The mean of K top-k pushes is denser than each; a pull of 1/32 carries it
+# with less delay. Outer lr 2 beat 1 by 5.6% over three seeds, and 4 was worse than either
 # (docs/RESULTS.md, "Headline rows").
 SPARSE_OUTER = {"outer_lr": 2.0, "outer_momentum": 0.0, "outer_momentum_warmup_rounds": 0}
 SPARSE_PULL_TOPK_FRACTION = 2 * DEFAULT_TOPK_FRACTION
