@@ -14,11 +14,11 @@ server epoch one hash of the shards' epochs (`membership()`).
 
 Heartbeats go to every shard at once, each bounded by a third of the lease; a shard that
 cannot be reached is skipped (its fragments keep their last known versions) while the live
-ones renew the lease. With N > 1, a shard that no
-longer knows the learner's session (it restarted: a new epoch, or NOT_FOUND for a push, pull
-or heartbeat) is noted in `lost_shards()`, and `join_shard` joins it alone again, whatever
-the other shards' state: one that is down meanwhile does not hold it up. With one shard
-every call is passed through as it is, and a lost session is the caller's to rejoin.
+ones renew the lease. With N > 1, a shard that no longer knows the learner's session (it
+restarted: a new epoch, or NOT_FOUND for a push, pull or heartbeat) is noted in
+`lost_shards()`, and `join_shard` joins it alone again, whatever the other shards' state:
+one that is down meanwhile does not hold it up. With one shard every call is passed through
+as it is, and a lost session is the caller's to rejoin.
 """
 
 from __future__ import annotations
