@@ -21,6 +21,7 @@ Per run (one shard count, one learner count), in bench/results/scale.json:
   cpu_s_per_gb         CPU seconds of all shards in that window / wire GB (1e9 bytes) the
                        learners streamed to them in it (pushes still in flight included)
   pull_p50_s, pull_p99_s  the probe's one-update pull latency
+  retried              pushes tried again after a retry hint or a deadline, by status
 `--quick` measures them all alike (side 2048, 10 s a run and on until every fragment has a
 new version, 60 s at most) into scale_quick.json: a small model's figures, its RSS ratios
 mostly the shards' fixed buffers. A run stops early (`rss_limit_hit`) if the shards and this
@@ -51,6 +52,7 @@ from bench import procfs  # noqa: E402
 from common.codec import codec_id, encode_values  # noqa: E402
 from common.fragment_wire import fragment_parts  # noqa: E402
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
+from common.retry import Stopped, call_with_retry  # noqa: E402
 from common.rpc import LEARNER_ID_HEADER  # noqa: E402
 from deploy.launcher import SERVER, Daemon, start_daemon, stop_all, wait_for_port_file  # noqa: E402
 from learner.shards import ShardedClient  # noqa: E402
@@ -91,6 +93,7 @@ class Fleet:
         self.pull_latencies: list[float] = []
         self.errors: dict[str, int] = {}
         self.error_details: dict[str, str] = {}  # the first message of each code
+        self.retried: dict[str, int] = {}  # pushes tried again, by the status that refused them
         self.sessions: list[str] = []
         self.clients: list[ShardedClient] = []
         self.latest = [0] * FRAGMENTS  # the newest version of each fragment (watch_loop)
@@ -141,6 +144,10 @@ class Fleet:
             self.errors[code] = self.errors.get(code, 0) + 1
             self.error_details.setdefault(code, str(detail))
 
+    def count_retry(self, err: grpc.RpcError, _delay_s: float) -> None:
+        with self.lock:
+            self.retried[err.code().name] = self.retried.get(err.code().name, 0) + 1
+
     def push_loop(self, i: int, fragments: list[int], payloads: list[bytes]) -> None:
         """One learner's thread for one shard: push each fragment, wait for the round it joined."""
         client, session = self.clients[i], self.sessions[i]
@@ -152,7 +159,13 @@ class Fleet:
                         session_id=session, fragment_id=f, base_version=versions[f],
                         inner_steps=50, tokens=50 * 2048, kind=pb.PUSH_KIND_DELTA,
                     )  # fmt: skip
-                    rounds[f] = client.push(header, payloads[f]).round_version
+                    # As a learner's sync thread does: a refusal with a retry hint (the
+                    # push memory budget is in use) or a deadline is tried again.
+                    answer = call_with_retry(
+                        lambda h=header, f=f: client.push(h, payloads[f]), self.stop,
+                        self.count_retry,
+                    )  # fmt: skip
+                    rounds[f] = answer.round_version
                     with self.lock:
                         self.pushes += 1
                 for f in fragments:
@@ -165,6 +178,8 @@ class Fleet:
         except (grpc.RpcError, ValueError) as err:  # ValueError: a channel closed at the end
             if not self.stop.is_set():
                 self.count_error(err)
+        except Stopped:
+            pass
 
     def watch_loop(self, f: int) -> None:
         """Long-poll one fragment's next version and wake the learners waiting for it."""
@@ -311,6 +326,7 @@ def run(
         "pulls_timed": len(latencies),
         "errors": fleet.errors,
         "error_details": fleet.error_details,
+        "retried": fleet.retried,
         "rss_limit_hit": limit_hit,
     }
 
@@ -365,7 +381,8 @@ def main() -> int:
                 f"{n} shard(s), {learners} learners, {model.params / 1e6:.0f} M params: "
                 f"RSS/owned {r['rss_per_owned_model']:.2f}, {r['pushes_per_s']:.2f} pushes/s, "
                 f"{r['cpu_s_per_gb'] or float('nan'):.2f} CPU s/GB, pull p50 "
-                f"{r['pull_p50_s'] or float('nan'):.2f} s, errors {r['error_details']}"
+                f"{r['pull_p50_s'] or float('nan'):.2f} s, errors {r['error_details']}, "
+                f"retried {r['retried']}"
                 f"{', RSS LIMIT HIT' if r['rss_limit_hit'] else ''}",
                 flush=True,
             )

@@ -13,7 +13,9 @@ dozen half-sent pushes held hundreds of MB, and a push was copied three times on
 reserved against the budget before a byte of its payload is read; past the budget a push
 waits up to `wait_s` for room (while its sender is held by gRPC's flow control) and is then
 refused with RESOURCE_EXHAUSTED and a retry hint. A reservation is returned when its push
-ends, however it ends (accepted, refused or cancelled by its sender).
+ends, however it ends (accepted, refused or cancelled by its sender). A push larger than the
+whole budget (a big fragment's initial values, in fp32) is received alone, once no other push
+holds memory, so push buffers hold at most the larger of the budget and the largest push.
 
 Buffers are reused: the pool keeps up to `keep` released buffers (the sizes repeat: one per
 fragment and codec), so a push does not fault in fresh pages for its payload every time; a
@@ -65,13 +67,9 @@ class PushBudget:
     ) -> Iterator[memoryview]:
         """A writable buffer of `size` bytes counted against the budget until the block
         ends; waits up to wait_s for room (less if `gone()` turns true), else raises
-        ResourceExhausted. A push larger than the whole budget is refused at once. Without
+        BudgetExhausted. A push larger than the whole budget (a large fragment's initial
+        fp32 values) is received alone: it has room once no other push holds any. Without
         `reuse` (a one-off push: a fragment's initial values) the buffer is freed after."""
-        if size > self.budget_bytes:
-            raise ResourceExhausted(
-                f"push of {size} bytes exceeds the push memory budget of {self.budget_bytes} "
-                "bytes (push_memory_budget_mb)"
-            )
         buffer = self._take(size, gone)
         ok = False
         try:
@@ -88,11 +86,12 @@ class PushBudget:
                 fits = [i for i, b in enumerate(self._free) if size <= len(b) <= 2 * size]
                 if fits:
                     return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
-                # Drop kept buffers (largest first) until a new one fits, if that is enough.
-                kept = sum(len(b) for b in self._free)
-                if self._reserved - kept + size <= self.budget_bytes:
+                # Drop kept buffers (largest first) until a new one fits, if that is enough;
+                # a push that fits in no budget fits when it is the only one.
+                in_use = self._reserved - sum(len(b) for b in self._free)
+                if in_use + size <= self.budget_bytes or in_use == 0:
                     self._free.sort(key=len)
-                    while self._reserved + size > self.budget_bytes:
+                    while self._free and self._reserved + size > self.budget_bytes:
                         self._reserved -= len(self._free.pop())
                     self._reserved += size
                     # np.empty: pages are touched only as the payload arrives.

@@ -36,6 +36,47 @@ def half_sent(session: str, payload_bytes: int, hold: threading.Event):
     hold.wait(120)
 
 
+def push_whole(stub, session: str, payload: bytes, initial: bool = False):
+    """One whole push of `payload`: the fragment's initial values, or a delta on version 0."""
+    header = pb.PushHeader(
+        session_id=session, payload_bytes=len(payload), tokens=1, inner_steps=1,
+        kind=pb.PUSH_KIND_INITIAL if initial else pb.PUSH_KIND_DELTA,
+        base_version=-1 if initial else 0,
+    )  # fmt: skip
+    messages = [pb.PushFragmentRequest(header=header)]
+    messages += [pb.PushFragmentRequest(chunk=c) for c in chunks(payload)]
+    return stub.PushFragment(iter(messages), metadata=METADATA, timeout=60)
+
+
+def test_pushes_larger_than_the_budget_are_received_alone(start_server_process) -> None:
+    """An 8 MiB fragment under a 2 MiB budget: its initial values and an fp32 delta are
+    accepted, one at a time; beside a push that holds memory, such a push is refused."""
+    server = start_server_process("--mode", "quorum", "--push-memory-budget-mb", "2")
+    hold = threading.Event()
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        join = stub.Join(pb.JoinRequest(learner_id="big", fingerprint=SPECS), metadata=METADATA)
+        initial = encode_fragment([torch.zeros(VALUES)], "fp32")
+        push_whole(stub, join.session_id, initial, initial=True)
+        held = stub.PushFragment.future(
+            half_sent(join.session_id, len(initial), hold), metadata=METADATA, timeout=60
+        )
+        try:
+            wait_until(lambda: metric(server, RESERVED) > 0, 60, "the half-sent push reserved")
+            payload = encode_fragment([torch.full((VALUES,), 1e-3)], "fp32")
+            try:
+                push_whole(stub, join.session_id, payload)
+                raise AssertionError("a second push larger than the budget was let in")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+        finally:
+            held.cancel()
+            hold.set()
+        wait_until(lambda: metric(server, RESERVED) == 0, 60, "the reservation returned")
+        assert push_whole(stub, join.session_id, payload).accepted
+        assert metric(server, REFUSED) == 1
+
+
 def test_half_sent_pushes_hold_at_most_the_budget(start_server_process) -> None:
     server = start_server_process(
         "--mode", "quorum", "--lease-s", "120", "--max-calls-in-flight", "0",
@@ -50,13 +91,7 @@ def test_half_sent_pushes_hold_at_most_the_budget(start_server_process) -> None:
                 pb.JoinRequest(learner_id="hostile", fingerprint=SPECS), metadata=METADATA
             )
             initial = encode_fragment([torch.zeros(VALUES)], "fp32")
-            header = pb.PushHeader(
-                session_id=join.session_id, kind=pb.PUSH_KIND_INITIAL, base_version=-1,
-                payload_bytes=len(initial),
-            )  # fmt: skip
-            messages = [pb.PushFragmentRequest(header=header)]
-            messages += [pb.PushFragmentRequest(chunk=c) for c in chunks(initial)]
-            stub.PushFragment(iter(messages), metadata=METADATA, timeout=60)
+            push_whole(stub, join.session_id, initial, initial=True)
 
             for _ in range(STREAMS):
                 requests = half_sent(join.session_id, len(initial), hold)
@@ -87,13 +122,6 @@ def test_half_sent_pushes_hold_at_most_the_budget(start_server_process) -> None:
             # average of 25 on 2 cores.
             wait_until(lambda: metric(server, RESERVED) == 0, 120, "reservations returned")
             payload = encode_fragment([torch.full((VALUES,), 1e-3)], "fp32")
-            header = pb.PushHeader(
-                session_id=join.session_id, base_version=0, payload_bytes=len(payload),
-                kind=pb.PUSH_KIND_DELTA, tokens=1, inner_steps=1,
-            )  # fmt: skip
-            messages = [pb.PushFragmentRequest(header=header)]
-            messages += [pb.PushFragmentRequest(chunk=c) for c in chunks(payload)]
-            reply = stub.PushFragment(iter(messages), metadata=METADATA, timeout=60)
-            assert reply.accepted
+            assert push_whole(stub, join.session_id, payload).accepted
     finally:
         hold.set()

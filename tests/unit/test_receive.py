@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import InvalidArgument, ResourceExhausted
+from common.errors import InvalidArgument
 from server.receive import BudgetExhausted, PushBudget, receive_into
 
 
@@ -22,9 +22,25 @@ def test_reservations_are_bounded_and_returned() -> None:
     assert budget.reserved_bytes() == 40 and budget.refused == 1
     with budget.reserve(30):  # the kept 40-byte buffer: nothing new is allocated
         assert budget.reserved_bytes() == 40
-    with pytest.raises(ResourceExhausted, match="push_memory_budget_mb"):
-        with budget.reserve(101):
-            pass
+
+
+def test_a_push_larger_than_the_budget_is_received_alone() -> None:
+    budget = PushBudget(budget_bytes=100, wait_s=0.0, keep=2)
+    with budget.reserve(30):
+        pass  # kept for reuse
+    with budget.reserve(20):
+        with pytest.raises(BudgetExhausted, match="push_memory_budget_mb"):
+            with budget.reserve(101):  # not beside another push
+                pass
+    assert budget.refused == 1
+    with budget.reserve(101) as alone:  # the kept buffers are dropped for it
+        assert len(alone) == 101 and budget.reserved_bytes() == 101
+        with pytest.raises(BudgetExhausted):
+            with budget.reserve(1):  # nothing fits beside it
+                pass
+    assert budget.reserved_bytes() == 101  # kept for the next push of its size
+    with budget.reserve(10):  # too small for the kept one, which is dropped to make room
+        assert budget.reserved_bytes() == 10
 
 
 def test_a_failed_push_frees_its_buffer_and_kept_ones_make_room() -> None:
