@@ -47,6 +47,7 @@ class Row:
     seed: int = 0
     outer_lr: float | None = None  # None: the recipe's (sweeps only)
     feedback_decay: float | None = None  # sparse pushes' residual decay; None: the default
+    state_dtype: str = "float32"  # the server's outer_state_dtype
 
     @property
     def method(self) -> str:
@@ -56,7 +57,8 @@ class Row:
         k = f" top-k 1/{1 / self.topk:g}" if self.topk else ""
         outer = "" if self.outer_lr is None else f" outer lr {self.outer_lr:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
-        return f"{self.codec}{k} H={self.h} lr {self.lr:g}{outer}{decay}"
+        state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
+        return f"{self.codec}{k} H={self.h} lr {self.lr:g}{outer}{decay}{state}"
 
     def setup(self, quick: bool = False, **kw) -> Setup:
         """The run's Setup; `kw` sets more of its fields (n_embd, device, lr_schedule)."""
@@ -95,6 +97,9 @@ class Row:
             variant = replace(variant, outer_lr=self.outer_lr)
         if self.feedback_decay is not None:
             variant = replace(variant, push_feedback_decay=self.feedback_decay)
+        if self.state_dtype != "float32":
+            server = {**variant.server, "outer_state_dtype": self.state_dtype}
+            variant = replace(variant, server=server)
         return variant
 
 

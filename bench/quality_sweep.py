@@ -30,7 +30,16 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def lr_rows(args: argparse.Namespace) -> list[Row]:
     return [Row("dp", lr=lr, seed=s) for lr in args.dp_lrs for s in args.seeds] + [
-        Row(args.codec, h=args.h, topk=args.topk, lr=lr, seed=s, outer_lr=o, feedback_decay=d)
+        Row(
+            args.codec,
+            h=args.h,
+            topk=args.topk,
+            lr=lr,
+            seed=s,
+            outer_lr=o,
+            feedback_decay=d,
+            state_dtype=args.state_dtype,
+        )  # fmt: skip
         for lr in args.inner_lrs
         for o in args.outer_lrs or [None]
         for d in args.feedback_decays or [None]
@@ -64,6 +73,9 @@ def main() -> int:
         "--feedback-decays", type=float, nargs="*", default=[],
         help="lr: sparse pushes' residual decays (the learner's default)",
     )  # fmt: skip
+    parser.add_argument(
+        "--state-dtype", default="float32", help="lr: the server's outer_state_dtype"
+    )
     parser.add_argument("--steps-list", type=int, nargs="+", default=[1000, 3000])
     parser.add_argument(
         "--codecs", nargs="+", default=["fp4"], help="trend: codec or codec:topk rows"

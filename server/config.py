@@ -25,6 +25,7 @@ from common.metrics_http import check_listen
 from common.sparse import DEFAULT_TOPK_FRACTION
 from server.influence import ROBUST_MERGES
 from server.network_config import LimitsConfig, NetworkConfig
+from server.outer import STATE_DTYPES
 from server.policy import MODES, WEIGHTINGS
 
 
@@ -164,8 +165,18 @@ class OuterConfig:
     outer_momentum_warmup_start: float = 0.5
     """The outer momentum of the first outer step when the warm-up is on (at most
     outer_momentum: a lower target is the start too)."""
+    outer_state_dtype: str = "float32"
+    """float32 or bfloat16 (sync/quorum): the dtype of the outer momentum and of the pull
+    codec's error-feedback residual. bfloat16 halves both (the server then holds 3 fp32
+    copies of its fragments, not 4) at a small cost in quality (docs/RESULTS.md); replicas
+    stay bit-identical. float32: torch's SGD exactly."""
 
     def __post_init__(self) -> None:
+        if self.outer_state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"outer_state_dtype must be one of {', '.join(STATE_DTYPES)}, "
+                f"got {self.outer_state_dtype!r}"
+            )
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if not self.outer_lr > 0:
@@ -347,6 +358,11 @@ def check_aggregator_sections(config: AggregatorSections) -> None:
         raise ValueError(
             f"shard_count ({config.sharding.shard_count}) must not exceed fragments "
             f"({config.streaming.fragments}): every shard owns at least one fragment"
+        )
+    if config.outer.outer_state_dtype != "float32" and config.rounds.mode == "async":
+        raise ValueError(
+            "outer_state_dtype bfloat16 is for sync and quorum modes; async mode's Delayed "
+            "Nesterov keeps float32"
         )
     if config.outer.outer_momentum_warmup_rounds and config.rounds.mode == "async":
         raise ValueError(

@@ -10,7 +10,8 @@ torch.optim.SGD's and learners pull full snapshots.
 Memory (tests/unit/test_fragment_memory.py counts it): a fragment holds four fp32 copies
 of itself — parameters, outer momentum, error-feedback residual and the round's sum
 (reused from round to round) — three with fp32 pulls, one more in async mode (Delayed
-Nesterov's pending sum); plus the log of encoded updates, at most a snapshot's bytes. The
+Nesterov's pending sum); plus the log of encoded updates, at most a snapshot's bytes. With
+outer_state_dtype bfloat16 the momentum and the residual take half as much (three copies). The
 outer step works a chunk at a time; a snapshot is the parameters' bytes read in place, copied
 only if a pull still streams it when the next step changes them.
 """
@@ -32,7 +33,7 @@ from common.fragment_wire import chain_parts, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import DEFAULT_SPARSE_K, params_crc32
 from server.ingest import DenseBody, PushBody
-from server.outer import OuterOptimizer
+from server.outer import STATE_DTYPES, OuterOptimizer
 from server.pull_encoder import UpdateEncoder
 from server.pull_parts import TensorBytes, snapshot_parts
 
@@ -215,7 +216,8 @@ class FragmentState:
         self.version = state["version"]
         self.params = state["params"]
         self.outer.restore(state["outer"], state["version"])
-        self._residual = state["residual"]
+        residual, dtype = state["residual"], STATE_DTYPES[self.outer.state_dtype]
+        self._residual = None if residual is None else [r.to(dtype) for r in residual]
         self._updates.clear()
         self._update_bytes = 0
         for start, data in state["updates"]:
@@ -272,7 +274,8 @@ class FragmentState:
         assert self.params is not None
         first = self._residual is None
         if first:
-            self._residual = [torch.empty(shape, dtype=torch.float32) for shape in self.shapes]
+            dtype = STATE_DTYPES[self.outer.state_dtype]
+            self._residual = [torch.empty(shape, dtype=dtype) for shape in self.shapes]
         encoder = UpdateEncoder(self.pull_codec, self.shapes, self.pull_sparse_k)
         for i, start, u in self.outer.update_chunks(mean):
             stop = start + u.numel()

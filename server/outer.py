@@ -20,6 +20,8 @@ CHUNK_VALUES = 1 << 17
 
 
 class OuterOptimizer(Protocol):
+    state_dtype: str  # a STATE_DTYPES key: the momentum's dtype, and the pull residual's
+
     def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The change to apply to the parameters for these (averaged) pseudo-gradients."""
 
@@ -39,10 +41,13 @@ _SETTING_OF_FIELD = {
     "momentum": "outer_momentum",
     "warmup_rounds": "outer_momentum_warmup_rounds",
     "warmup_start": "outer_momentum_warmup_start",
+    "state_dtype": "outer_state_dtype",
 }
+# outer_state_dtype's values: the dtype the momentum (and a fragment's pull residual) is kept in.
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def snapshot_settings(state: dict) -> dict[str, float]:
+def snapshot_settings(state: dict) -> dict[str, float | str]:
     """The OuterConfig settings, by flat name, of the optimizer whose `vars()` a snapshot
     saved: what a replay of the state dir's log needs when the flags of the server that
     wrote it are not at hand (diloco-export)."""
@@ -71,7 +76,9 @@ class NesterovOuter:
     """Momentum buffers for one fragment's tensors; `step` updates params in place.
 
     With `warmup_rounds` > 0 the momentum rises linearly from `warmup_start` to `momentum`
-    over the first outer steps (`warmed_momentum`); with 0 it is torch's SGD exactly.
+    over the first outer steps (`warmed_momentum`); with 0 it is torch's SGD exactly. With
+    `state_dtype` "bfloat16" the buffers take half the memory: each chunk is advanced in
+    float32 and stored rounded (no longer torch's SGD bit for bit).
     """
 
     lr: float = 0.7
@@ -80,24 +87,30 @@ class NesterovOuter:
     warmup_rounds: int = 0
     warmup_start: float = 0.5
     steps_taken: int = 0
+    state_dtype: str = "float32"
 
     def restore(self, state: dict, version: int) -> None:
-        """Load a snapshot's `vars()`. The warm-up's settings stay the config's; a snapshot
-        from before the warm-up existed took one outer step per version."""
-        state = {k: v for k, v in state.items() if k not in ("warmup_rounds", "warmup_start")}
+        """Load a snapshot's `vars()`. The warm-up's settings and the state dtype stay the
+        config's (buffers saved in another dtype are converted); a snapshot from before the
+        warm-up existed took one outer step per version."""
+        kept = ("warmup_rounds", "warmup_start", "state_dtype")
+        state = {k: v for k, v in state.items() if k not in kept}
         state.setdefault("steps_taken", version)
         for name, value in state.items():
             setattr(self, name, value)
+        if self.momentum_buffers is not None:
+            dtype = STATE_DTYPES[self.state_dtype]
+            self.momentum_buffers = [b.to(dtype) for b in self.momentum_buffers]
 
     def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Advance the momentum and return the Nesterov update −lr·(g + momentum·buf).
 
         Used with quantized pulls, where the server adds a quantized copy of this update.
         """
-        buffers, momentum = self._advance_momentum(grads)
-        return [
-            g.add(buf, alpha=momentum).mul_(-self.lr) for g, buf in zip(grads, buffers, strict=True)
-        ]
+        updates = [torch.empty(g.shape, dtype=torch.float32) for g in grads]
+        for i, start, u in self.update_chunks(grads):
+            _flat(updates[i])[start : start + u.numel()] = u
+        return updates
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """One torch.optim.SGD(nesterov=True) step of `params` along `grads`.
@@ -105,41 +118,62 @@ class NesterovOuter:
         Made a chunk at a time with torch's own operations (p += −lr·(g + momentum·buf)):
         element-wise, so bit-identical to the whole-tensor step, with no full-size temporary.
         """
-        buffers, momentum = self._advance_momentum(grads)
-        scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
-        for p, g, buf in zip(params, grads, buffers, strict=True):
-            flat_p, flat_g, flat_buf = _flat(p), _flat(g), _flat(buf)
-            for start, stop in spans(flat_g.numel()):
-                out = scratch[: stop - start]
-                torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=momentum, out=out)
-                flat_p[start:stop].add_(out, alpha=-self.lr)
+        for i, start, out in self._nesterov_chunks(grads):
+            _flat(params[i])[start : start + out.numel()].add_(out, alpha=-self.lr)
 
     def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
         """Advance the momentum, then yield the update of `update` a chunk at a time:
         (tensor index, first value, float32 values), each valid until the next is asked for.
         The same operations as `update` on slices, so the same values."""
-        buffers, momentum = self._advance_momentum(grads)
-        scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
-        for i, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
-            flat_g, flat_buf = _flat(g), _flat(buf)
-            for start, stop in spans(flat_g.numel()):
-                out = scratch[: stop - start]
-                torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=momentum, out=out)
-                yield i, start, out.mul_(-self.lr)
+        for i, start, out in self._nesterov_chunks(grads):
+            yield i, start, out.mul_(-self.lr)
 
-    def _advance_momentum(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], float]:
-        """Advance the buffers; returns them and the momentum of this step."""
+    def _nesterov_chunks(
+        self, grads: list[torch.Tensor]
+    ) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """Advance the momentum and yield g + momentum·buf a chunk at a time (float32, valid
+        until the next chunk is asked for)."""
         momentum = warmed_momentum(
             self.momentum, self.warmup_start, self.warmup_rounds, self.steps_taken
         )
         self.steps_taken += 1
+        scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
+        if self.state_dtype == "float32":
+            buffers = self._advance_whole(grads, momentum)
+            for i, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
+                flat_g, flat_buf = _flat(g), _flat(buf)
+                for start, stop in spans(flat_g.numel()):
+                    out = scratch[: stop - start]
+                    torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=momentum, out=out)
+                    yield i, start, out
+            return
+        first = self.momentum_buffers is None
+        if first:
+            dtype = STATE_DTYPES[self.state_dtype]
+            self.momentum_buffers = [torch.empty(g.shape, dtype=dtype) for g in grads]
+        advanced = torch.empty_like(scratch)  # the chunk's momentum, in float32
+        for i, (g, buf) in enumerate(zip(grads, self.momentum_buffers, strict=True)):
+            flat_g, flat_buf = _flat(g), _flat(buf)
+            for start, stop in spans(flat_g.numel()):
+                m = advanced[: stop - start]
+                if first:  # torch starts the buffer as a copy of the first gradient
+                    m.copy_(flat_g[start:stop])
+                else:
+                    m.copy_(flat_buf[start:stop]).mul_(momentum).add_(flat_g[start:stop])
+                flat_buf[start:stop] = m
+                out = scratch[: stop - start]
+                torch.add(flat_g[start:stop], m, alpha=momentum, out=out)
+                yield i, start, out
+
+    def _advance_whole(self, grads: list[torch.Tensor], momentum: float) -> list[torch.Tensor]:
+        """Advance float32 buffers as torch's SGD does, whole tensors at a time."""
         if self.momentum_buffers is None:
             # torch starts the buffer as a copy of the first gradient.
             self.momentum_buffers = [g.detach().clone() for g in grads]
         else:
             for buf, g in zip(self.momentum_buffers, grads, strict=True):
                 buf.mul_(momentum).add_(g)
-        return self.momentum_buffers, momentum
+        return self.momentum_buffers
 
 
 @dataclass
@@ -159,6 +193,7 @@ class DelayedNesterov:
     buffer: list[torch.Tensor] | None = None
     momentum_buffers: list[torch.Tensor] | None = None
     pending: int = 0
+    state_dtype: str = "float32"  # the only one (server/config.py refuses another in async)
 
     def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         momentum = self._absorb(grads)

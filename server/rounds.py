@@ -63,6 +63,7 @@ class RoundPolicy:
             cfg.outer_momentum,
             warmup_rounds=cfg.outer_momentum_warmup_rounds,
             warmup_start=cfg.outer_momentum_warmup_start,
+            state_dtype=cfg.outer_state_dtype,
         )
 
     def check_base(self, fragment: FragmentState, learner_id: str, base_version: int) -> None:

@@ -84,6 +84,24 @@ def test_update_chunks_warms_up_like_step() -> None:
     assert warm.steps_taken == chunked.steps_taken == 5
 
 
+def test_bfloat16_momentum_is_the_float32_step_rounded() -> None:
+    """The compact state advances each chunk in float32 and stores it rounded: its steps
+    stay within bfloat16's rounding of the exact ones, and its buffers take half the bytes."""
+    exact = NesterovOuter(0.7, 0.9, warmup_rounds=3, warmup_start=0.2)
+    compact = NesterovOuter(0.7, 0.9, warmup_rounds=3, warmup_start=0.2, state_dtype="bfloat16")
+    ref, params = tensors(0), tensors(0)
+    for rnd in range(6):
+        grads = tensors(10 + rnd)
+        exact.step(ref, grads)
+        compact.step(params, grads)
+        for got, want in zip(params, ref, strict=True):
+            # The momentum is a few gradients' size; bfloat16 keeps 8 bits of it.
+            torch.testing.assert_close(got, want, rtol=0, atol=0.7 * 0.9 * 8 * 2**-8)
+    assert compact.steps_taken == 6 and compact.momentum_buffers is not None
+    assert all(b.dtype == torch.bfloat16 for b in compact.momentum_buffers)
+    assert any(not torch.equal(a, b) for a, b in zip(params, ref, strict=True))
+
+
 def test_round_waits_for_every_live_learner() -> None:
     agg, (a, b), _ = make(2)
     assert agg.push(a, 0, 0, tensors(1)) == 1
@@ -202,3 +220,9 @@ def test_config_errors_name_the_field() -> None:
         aggregator_config(outer_momentum_warmup_start=1.0)
     with pytest.raises(ValueError, match="async"):
         aggregator_config(mode="async", outer_momentum_warmup_rounds=10)
+    with pytest.raises(ValueError, match="outer_state_dtype must be one of float32, bfloat16"):
+        aggregator_config(outer_state_dtype="float16")
+    with pytest.raises(ValueError, match="outer_state_dtype bfloat16 is for sync and quorum"):
+        aggregator_config(
+            mode="async", outer_momentum_warmup_rounds=0, outer_state_dtype="bfloat16"
+        )

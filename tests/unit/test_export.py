@@ -44,8 +44,9 @@ def named(agg: Aggregator) -> dict[str, torch.Tensor]:
         {"pull_codec": "fp32", "snapshot_every_versions": 2},
         {"mode": "quorum", "outer_momentum_warmup_rounds": 8, "outer_momentum_warmup_start": 0.2},
         {"mode": "async", "outer_lr": 0.5, "outer_momentum": 0.8},
+        {"outer_state_dtype": "bfloat16", "outer_lr": 0.6},
     ],
-    ids=["sync-fp4", "sync-fp32", "quorum-warmup", "async"],
+    ids=["sync-fp4", "sync-fp32", "quorum-warmup", "async", "bfloat16-state"],
 )
 def test_a_state_dir_restores_to_the_servers_params(tmp_path, config) -> None:
     agg = trained(tmp_path, **config)

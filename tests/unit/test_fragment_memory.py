@@ -84,6 +84,15 @@ def test_a_fragment_holds_four_model_copies_and_a_bounded_log(pull_codec, copies
     assert blobs <= MODEL_BYTES
 
 
+@pytest.mark.parametrize(("pull_codec", "copies"), [("fp4_e2m1", 3), ("fp32", 2.5)])
+def test_bfloat16_outer_state_holds_half_a_copy_less_each(pull_codec, copies) -> None:
+    """outer_state_dtype bfloat16: the momentum (and the residual of 4-bit pulls) in half
+    the bytes; the parameters and the round's sum stay float32."""
+    fragment = run(pull_codec, rounds=3, outer=NesterovOuter(state_dtype="bfloat16"))
+    fragment.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)
+    assert held(fragment)[0] == copies * MODEL_BYTES
+
+
 @pytest.mark.parametrize("pull_codec", ["fp4_e2m1", "fp32"])
 def test_a_snapshot_streamed_across_a_step_keeps_its_versions_bytes(pull_codec) -> None:
     fragment = run(pull_codec, rounds=2)
@@ -130,11 +139,16 @@ class _NewStorages(TorchDispatchMode):
         return result
 
 
+def compact() -> NesterovOuter:
+    return NesterovOuter(state_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("pull_codec", ["fp4_e2m1", "fp32"])
-@pytest.mark.parametrize("outer", [NesterovOuter, DelayedNesterov])
+@pytest.mark.parametrize("outer", [NesterovOuter, DelayedNesterov, compact])
 def test_an_outer_step_makes_no_temporary_of_the_models_size(pull_codec, outer) -> None:
     # Three rounds: Delayed Nesterov has its buffer (not a temporary) and now folds it in.
-    fragment = run(pull_codec, rounds=3, outer=outer(every=2) if outer is DelayedNesterov else None)
+    made = outer(every=2) if outer is DelayedNesterov else outer()
+    fragment = run(pull_codec, rounds=3, outer=made)
     fragment.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)
     with _NewStorages() as allocations:
         fragment.close_round()

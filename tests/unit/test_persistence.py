@@ -71,6 +71,31 @@ def test_restart_resumes_exactly_where_it_stopped(
     assert restarted.pull(s2, 0, 8).payload == agg.pull(s, 0, 8).payload
 
 
+@pytest.mark.parametrize("snapshot_every", [1, 100])  # restored from a snapshot; replayed
+def test_bfloat16_outer_state_resumes_exactly_and_a_change_of_dtype_converts(
+    tmp_path, snapshot_every
+) -> None:
+    compact = {"outer_state_dtype": "bfloat16", "snapshot_every_versions": snapshot_every}
+    agg, s = start(tmp_path / "a", **compact)
+    initialize_both(agg, s)
+    run_rounds(agg, s, range(7))
+    restarted, s2 = start(tmp_path / "a", **compact)
+    run_rounds(agg, s, range(7, 10))
+    run_rounds(restarted, s2, range(7, 10))
+    for a, b in zip(state(agg), state(restarted), strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    held = restarted._params.fragment(0)
+    assert held.outer.momentum_buffers[0].dtype == held._residual[0].dtype == torch.bfloat16
+    # A float32 state dir taken up with bfloat16: its buffers are converted, not refused.
+    exact, s3 = start(tmp_path / "b", snapshot_every_versions=snapshot_every)
+    initialize_both(exact, s3)
+    run_rounds(exact, s3, range(3))
+    converted, s4 = start(tmp_path / "b", **compact)
+    run_rounds(converted, s4, range(3, 5))
+    assert [converted.version(f) for f in (0, 1)] == [5, 5]
+    assert converted._params.fragment(0).outer.momentum_buffers[0].dtype == torch.bfloat16
+
+
 def test_torn_tail_is_dropped_and_the_log_truncated(tmp_path, caplog) -> None:
     agg, s = start(tmp_path)
     initialize_both(agg, s)

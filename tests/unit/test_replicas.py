@@ -24,13 +24,28 @@ def random_fragment(shapes, seed: int, scale: float = 1.0) -> list[torch.Tensor]
     return [torch.randn(s, generator=g) * scale for s in shapes]
 
 
-@pytest.mark.parametrize("codec", ["fp4_e2m1", "sparse_2bit", "sparse_fp4"])
-def test_replicas_bit_identical_after_many_rounds_with_several_learners(codec: str) -> None:
+@pytest.mark.parametrize(
+    ("codec", "state_dtype"),
+    [
+        ("fp4_e2m1", "float32"),
+        ("sparse_2bit", "float32"),
+        ("sparse_fp4", "float32"),
+        ("fp4_e2m1", "bfloat16"),
+        ("sparse_2bit", "bfloat16"),
+    ],
+)
+def test_replicas_bit_identical_after_many_rounds_with_several_learners(
+    codec: str, state_dtype: str
+) -> None:
     # The whole log (update_log_fraction 1): learner 2, 5 versions behind, pulls chains.
     agg = Aggregator(
         aggregator_config(
-            fragments=2, pull_codec=codec, update_log_versions=8, update_log_fraction=1.0
-        )
+            fragments=2,
+            pull_codec=codec,
+            update_log_versions=8,
+            update_log_fraction=1.0,
+            outer_state_dtype=state_dtype,
+        )  # fmt: skip
     )
     sessions = [agg.join(f"l{i}", SPECS).session_id for i in range(3)]
     shapes = {f: [SPECS[i].shape for i in idx] for f, idx, _ in agg.join("l0", SPECS).fragments}
@@ -80,11 +95,12 @@ def test_far_behind_learner_gets_a_snapshot_and_updates_are_4_bit() -> None:
     assert agg.pull(s, 0, 6).kind == pb.PULL_KIND_UP_TO_DATE
 
 
-def test_error_feedback_keeps_the_server_near_the_exact_trajectory() -> None:
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_error_feedback_keeps_the_server_near_the_exact_trajectory(state_dtype: str) -> None:
     shapes = [spec.shape for spec in SPECS]
     runs = {}
     for codec in ("fp32", "fp4_e2m1"):
-        agg = Aggregator(aggregator_config(pull_codec=codec))
+        agg = Aggregator(aggregator_config(pull_codec=codec, outer_state_dtype=state_dtype))
         s = agg.join("l0", SPECS).session_id
         agg.initialize(s, 0, random_fragment(shapes, 0))
         for rnd in range(40):
