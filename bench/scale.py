@@ -20,6 +20,7 @@ Per run (one shard count, one learner count), in bench/results/scale.json:
                        measured window (after every learner joined)
   cpu_s_per_gb         CPU seconds of all shards in that window / wire GB (1e9 bytes) the
                        learners streamed to them in it (pushes still in flight included)
+  cpu_s_per_accepted_gb  the same CPU seconds / payload GB of the pushes accepted in it
   pull_p50_s, pull_p99_s  the probe's one-update pull latency
   retried              pushes tried again after a retry hint or a deadline, by status
 `--quick` measures them all alike (side 2048, 10 s a run and on until every fragment has a
@@ -133,6 +134,7 @@ def run(
         cpu_s = sum(procfs.cpu_s(pid) for pid in pids) - sum(cpu_before)
         pushed_gb = (fleet.bytes_sent() - sent_before) / 1e9  # pushes in flight count too
         pushes_done = fleet.pushes
+        accepted_gb = pushes_done * len(pushes[0]) / 1e9
     finally:
         # Closing the channels cancels the calls in flight, so the threads end at once.
         fleet.stop.set()
@@ -156,6 +158,9 @@ def run(
         "rss_per_owned_model": max(ratios),
         "pushes_per_s": pushes_done / elapsed,
         "cpu_s_per_gb": cpu_s / pushed_gb if pushed_gb else None,
+        # Over the accepted pushes' payloads only (pushes_done x one payload's bytes):
+        # streamed bytes include the parts of pushes refused for want of budget.
+        "cpu_s_per_accepted_gb": cpu_s / accepted_gb if accepted_gb else None,
         "pull_p50_s": statistics.median(latencies) if latencies else None,
         "pull_p99_s": latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
         "per_shard": [

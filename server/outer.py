@@ -22,14 +22,12 @@ CHUNK_VALUES = 1 << 17
 class OuterOptimizer(Protocol):
     state_dtype: str  # a STATE_DTYPES key: the momentum's dtype, and the pull residual's
 
-    def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The change to apply to the parameters for these (averaged) pseudo-gradients."""
-
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Apply the change in place (in float32, exactly as the optimizer defines it)."""
 
     def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """`update`, a chunk at a time: (tensor index, first value, float32 values)."""
+        """The change to apply for these (averaged) pseudo-gradients, a chunk at a time:
+        (tensor index, first value, float32 values)."""
 
     def restore(self, state: dict, version: int) -> None:
         """Load the state a snapshot saved (`vars()` of the optimizer) at fragment `version`."""
@@ -102,16 +100,6 @@ class NesterovOuter:
             dtype = STATE_DTYPES[self.state_dtype]
             self.momentum_buffers = [b.to(dtype) for b in self.momentum_buffers]
 
-    def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Advance the momentum and return the Nesterov update −lr·(g + momentum·buf).
-
-        Used with quantized pulls, where the server adds a quantized copy of this update.
-        """
-        updates = [torch.empty(g.shape, dtype=torch.float32) for g in grads]
-        for i, start, u in self.update_chunks(grads):
-            _flat(updates[i])[start : start + u.numel()] = u
-        return updates
-
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """One torch.optim.SGD(nesterov=True) step of `params` along `grads`.
 
@@ -122,9 +110,9 @@ class NesterovOuter:
             _flat(params[i])[start : start + out.numel()].add_(out, alpha=-self.lr)
 
     def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """Advance the momentum, then yield the update of `update` a chunk at a time:
-        (tensor index, first value, float32 values), each valid until the next is asked for.
-        The same operations as `update` on slices, so the same values."""
+        """Advance the momentum, then yield the Nesterov update −lr·(g + momentum·buf) a chunk
+        at a time: (tensor index, first value, float32 values), each valid until the next is
+        asked for. With quantized pulls the server adds a quantized copy of it."""
         for i, start, out in self._nesterov_chunks(grads):
             yield i, start, out.mul_(-self.lr)
 
@@ -195,14 +183,6 @@ class DelayedNesterov:
     pending: int = 0
     state_dtype: str = "float32"  # the only one (server/config.py refuses another in async)
 
-    def update(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        momentum = self._absorb(grads)
-        updates = [g.mul(-self.lr / self.every) for g in grads]
-        if momentum:
-            for u, m in zip(updates, self.momentum_buffers or [], strict=True):
-                u.add_(m, alpha=-self.lr * self.momentum)
-        return updates
-
     def restore(self, state: dict, version: int) -> None:
         """Load a snapshot's `vars()`."""
         for name, value in state.items():
@@ -213,7 +193,8 @@ class DelayedNesterov:
             _flat(params[i])[start : start + u.numel()].add_(u)
 
     def update_chunks(self, grads: list[torch.Tensor]) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """`update` a chunk at a time, like NesterovOuter's: the same operations on slices."""
+        """The update −(lr/N)·g (plus −lr·momentum·m every N pushes) a chunk at a time, like
+        NesterovOuter's."""
         momentum = self._absorb(grads)
         scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
         for i, g in enumerate(grads):
