@@ -55,8 +55,8 @@ bench-decoupled: $(BENCH_STAMP)
 bench-load: $(STAMP)
 	$(BIN)/python bench/load.py
 
-# Aggregator shards (bench/scale.py): 537 M params over 1, 2 and 4 shards, 8 learners, and
-# 64 learners on 134 M params; bench/results/scale.json. `--quick` (34 M params, < 3 min):
+# Aggregator shards (bench/scale.py): 537 M params over 1, 2 and 4 shards, 8 then 64
+# learners; bench/results/scale.json. `--quick` (34 M params, < 3 min):
 # bench/results/scale_quick.json.
 bench-scale: $(STAMP)
 	nice -n 19 $(BIN)/python bench/scale.py
