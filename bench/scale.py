@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -162,7 +164,8 @@ def run(
         # streamed bytes include the parts of pushes refused for want of budget.
         "cpu_s_per_accepted_gb": cpu_s / accepted_gb if accepted_gb else None,
         "pull_p50_s": statistics.median(latencies) if latencies else None,
-        "pull_p99_s": latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
+        # Nearest rank: the smallest latency with at least 99% of them at or below it.
+        "pull_p99_s": latencies[math.ceil(0.99 * len(latencies)) - 1] if latencies else None,
         "per_shard": [
             dict(zip(PER_SHARD, row, strict=True))
             for row in zip(owned, owned_mb, idle_mb, peak_mb, ratios, strict=True)
@@ -226,7 +229,7 @@ def main() -> int:
         payloads = payloads_of(model)
         for n in args.shards:
             r = run(n, learners, model, payloads, duration_s, rss_limit_mb, args.min_versions,
-                    timeout_s, quorum=args.quorum, flags=args.shard_flags.split())  # fmt: skip
+                    timeout_s, quorum=args.quorum, flags=shlex.split(args.shard_flags))  # fmt: skip
             runs.append(r)
             print(
                 f"{n} shard(s), {learners} learners, {model.params / 1e6:.0f} M params: "

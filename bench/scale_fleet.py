@@ -57,7 +57,7 @@ class Fleet:
         self.clients: list[ShardedClient] = []
         self.latest = [0] * FRAGMENTS  # the newest version of each fragment (watch_loop)
         self.advanced = threading.Condition(self.lock)
-        # Pull answers held at once in this process: 64 learners x 4 shards taking a 17 MB
+        # Pull answers held at once in this process: 64 learners x 4 shards taking a 71 MB
         # update each at the same moment would hold gigabytes here, not in the servers.
         self.pulls = threading.BoundedSemaphore(PULLS_AT_ONCE)
 

@@ -78,13 +78,17 @@ class Aggregator:
         self._intake = PushIntake(self._members, self._params, self._rounds, self.events)
         identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
         self._persistence = Persistence(config.persistence, identity, self.events)
-        if (restored := self._persistence.restore()) is not None:
-            self.resume(restored)
+        if (restored := self._persistence.restore()) is not None and self.resume(restored):
+            # The state dtype changed: a snapshot now, so that the log's next records follow
+            # a snapshot in the dtype they are made in (a replay runs in the snapshot's).
+            with self._cond:
+                self._snapshot()
 
-    def resume(self, restored: Restored) -> None:
-        """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's)."""
+    def resume(self, restored: Restored) -> bool:
+        """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's);
+        True if their state is now kept in another dtype than the state dir's."""
         with self._cond:
-            self._params.restore(restored, self._rounds.before_replay)
+            return self._params.restore(restored, self._rounds.before_replay)
 
     def checkpoint(self) -> None:
         """Write a snapshot now (at shutdown, so a restart replays nothing)."""

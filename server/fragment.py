@@ -107,6 +107,7 @@ class FragmentState:
         self.param_indices = param_indices
         self.shapes = shapes
         self.outer = outer
+        self._state_dtype = outer.state_dtype  # the configured one (a restore may differ)
         self.pull_codec = codec_id(pull_codec)
         self.pull_sparse_k = pull_sparse_k  # values kept per chunk by a sparse pull codec
         self.params: list[torch.Tensor] | None = None
@@ -216,8 +217,7 @@ class FragmentState:
         self.version = state["version"]
         self.params = state["params"]
         self.outer.restore(state["outer"], state["version"])
-        residual, dtype = state["residual"], STATE_DTYPES[self.outer.state_dtype]
-        self._residual = None if residual is None else [r.to(dtype) for r in residual]
+        self._residual = state["residual"]  # in the snapshot's dtype, as the log replays
         self._updates.clear()
         self._update_bytes = 0
         for start, data in state["updates"]:
@@ -225,6 +225,17 @@ class FragmentState:
             self._updates.append((start, bytes(data)))
             self._update_bytes += len(data)
         self._snapshot, self._crc = None, None
+
+    def convert_state(self) -> bool:
+        """After a restore's replay: keep the momentum and the residual in the configured
+        dtype (outer_state_dtype) from now on, whatever dtype the state dir held; True if
+        that is another dtype than the restored one."""
+        changed = self.outer.state_dtype != self._state_dtype
+        self.outer.convert_state(self._state_dtype)
+        if self._residual is not None:
+            dtype = STATE_DTYPES[self._state_dtype]
+            self._residual = [r.to(dtype) for r in self._residual]
+        return changed
 
     def pull(self, have_version: int) -> PullResult:
         """What a learner at `have_version` needs: nothing, the update chain, or a snapshot.
@@ -270,7 +281,8 @@ class FragmentState:
         server's memory stays at parameters, momentum, residual and the round's sum
         (tests/unit/test_fragment_memory.py). With a sparse codec Q keeps the top k of every
         chunk and e holds all the rest, so the served parameters are exactly the sum of the
-        decoded updates learners add, and e is what they have not been sent yet."""
+        decoded updates learners add, and e is what they have not been sent yet (rounded to
+        bfloat16 with outer_state_dtype bfloat16: θ stays exactly that sum)."""
         assert self.params is not None
         first = self._residual is None
         if first:

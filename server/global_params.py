@@ -62,9 +62,10 @@ class GlobalParams:
 
     def restore(
         self, restored: Restored, before_replay: Callable[[FragmentState, int], None]
-    ) -> None:
+    ) -> bool:
         """Rebuild the fragments of a state dir's snapshot, then replay its log's outer
-        steps, one record in memory at a time (`before_replay`: the round policy's)."""
+        steps, one record in memory at a time (`before_replay`: the round policy's); True
+        if a fragment's state then changed dtype (FragmentState.convert_state)."""
         fragments = self._build(restored.fingerprint)
         for fragment, state in zip(fragments, restored.fragments, strict=True):
             fragment.load_state_dict(state)
@@ -73,6 +74,8 @@ class GlobalParams:
             fragment = self.fragments[record.fragment_id]
             before_replay(fragment, record.outer_every)
             fragment.apply_mean(record.mean)
+        # Replayed in the snapshot's state dtype; kept in the configured one from now on.
+        return any([fragment.convert_state() for fragment in self.fragments])
 
     def fragment(self, fragment_id: int) -> FragmentState:
         """A fragment this shard owns (FailedPrecondition naming the owner otherwise)."""

@@ -73,8 +73,9 @@ class LimitsConfig:
     few learners from starving the rest; our learners have at most three open at once."""
     push_memory_budget_mb: float = 256.0
     """Push payload bytes the server holds at once, all pushes together: a push's announced
-    size is reserved before its payload is read (server/receive.py). A push larger than this
-    (a big fragment's initial fp32 values) is received alone, once no other push holds any."""
+    size is reserved before its payload is read (server/receive.py). A fragment's initial
+    fp32 values larger than this are received alone; other pushes must fit (fp32 deltas of
+    a big fragment need a budget of at least its fp32 bytes)."""
     push_budget_wait_s: float = 0.0
     """How long a push waits for room in push_memory_budget_mb before it is refused with
     RESOURCE_EXHAUSTED and a retry hint (learners retry it). 0: refused at once. A waiting

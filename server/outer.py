@@ -32,6 +32,9 @@ class OuterOptimizer(Protocol):
     def restore(self, state: dict, version: int) -> None:
         """Load the state a snapshot saved (`vars()` of the optimizer) at fragment `version`."""
 
+    def convert_state(self, state_dtype: str) -> None:
+        """Keep the state in `state_dtype` (a STATE_DTYPES key) from now on."""
+
 
 # The OuterConfig setting that each optimizer field saved in a snapshot (`vars()`) holds.
 _SETTING_OF_FIELD = {
@@ -76,7 +79,7 @@ class NesterovOuter:
     With `warmup_rounds` > 0 the momentum rises linearly from `warmup_start` to `momentum`
     over the first outer steps (`warmed_momentum`); with 0 it is torch's SGD exactly. With
     `state_dtype` "bfloat16" the buffers take half the memory: each chunk is advanced in
-    float32 and stored rounded (no longer torch's SGD bit for bit).
+    float32 and stored rounded (then not torch's SGD bit for bit).
     """
 
     lr: float = 0.7
@@ -88,16 +91,21 @@ class NesterovOuter:
     state_dtype: str = "float32"
 
     def restore(self, state: dict, version: int) -> None:
-        """Load a snapshot's `vars()`. The warm-up's settings and the state dtype stay the
-        config's (buffers saved in another dtype are converted); a snapshot from before the
-        warm-up existed took one outer step per version."""
-        kept = ("warmup_rounds", "warmup_start", "state_dtype")
-        state = {k: v for k, v in state.items() if k not in kept}
+        """Load a snapshot's `vars()`. The warm-up's settings stay the config's; the state
+        dtype is the snapshot's, so that the log after it replays as it ran (`convert_state`
+        then takes the config's); a snapshot from before the warm-up existed took one outer
+        step per version, and one from before the state dtype existed kept float32."""
+        state = {k: v for k, v in state.items() if k not in ("warmup_rounds", "warmup_start")}
         state.setdefault("steps_taken", version)
+        state.setdefault("state_dtype", "float32")
         for name, value in state.items():
             setattr(self, name, value)
+
+    def convert_state(self, state_dtype: str) -> None:
+        """Keep the momentum in `state_dtype` from now on (buffers converted)."""
+        self.state_dtype = state_dtype
         if self.momentum_buffers is not None:
-            dtype = STATE_DTYPES[self.state_dtype]
+            dtype = STATE_DTYPES[state_dtype]
             self.momentum_buffers = [b.to(dtype) for b in self.momentum_buffers]
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -187,6 +195,10 @@ class DelayedNesterov:
         """Load a snapshot's `vars()`."""
         for name, value in state.items():
             setattr(self, name, value)
+
+    def convert_state(self, state_dtype: str) -> None:
+        if state_dtype != "float32":
+            raise ValueError("Delayed Nesterov keeps its state in float32")
 
     def step(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         for i, start, u in self.update_chunks(grads):

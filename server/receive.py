@@ -13,9 +13,10 @@ dozen half-sent pushes held hundreds of MB, and a push was copied three times on
 reserved against the budget before a byte of its payload is read; past the budget a push
 waits up to `wait_s` for room (while its sender is held by gRPC's flow control) and is then
 refused with RESOURCE_EXHAUSTED and a retry hint. A reservation is returned when its push
-ends, however it ends (accepted, refused or cancelled by its sender). A push larger than the
-whole budget (a big fragment's initial values, in fp32) is received alone, once no other push
-holds memory, so push buffers hold at most the larger of the budget and the largest push.
+ends, however it ends (accepted, refused or cancelled by its sender). A fragment's initial
+values (fp32, once per fragment) larger than the whole budget are received alone: new pushes
+wait while the ones in flight end, so push buffers hold at most the larger of the budget and
+the largest fragment's fp32 bytes. Other pushes larger than the budget are refused.
 
 Buffers are reused: the pool keeps up to `keep` released buffers (the sizes repeat: one per
 fragment and codec), so a push does not fault in fresh pages for its payload every time; a
@@ -39,6 +40,9 @@ from common.errors import InvalidArgument, ResourceExhausted
 DEFAULT_PUSH_BUDGET_BYTES = 256 << 20
 # A waiting push checks this often whether its caller went away.
 _POLL_S = 0.25
+# How long an initial push larger than the budget waits for the pushes in flight to end
+# (new ones wait meanwhile); they end within the stream deadlines (stream_idle_timeout_s).
+ALONE_WAIT_S = 60.0
 
 
 class BudgetExhausted(ResourceExhausted):
@@ -55,6 +59,7 @@ class PushBudget:
         self._cond = threading.Condition()
         self._reserved = 0  # bytes of buffers in use and of the ones kept for reuse
         self._free: list[np.ndarray] = []
+        self._waiting_alone = 0  # initial pushes larger than the budget, waiting for room
         self.refused = 0  # pushes refused for want of room (for metrics)
 
     def reserved_bytes(self) -> int:
@@ -63,47 +68,66 @@ class PushBudget:
 
     @contextlib.contextmanager
     def reserve(
-        self, size: int, gone: Callable[[], bool] = lambda: False, reuse: bool = True
+        self, size: int, gone: Callable[[], bool] = lambda: False, initial: bool = False
     ) -> Iterator[memoryview]:
         """A writable buffer of `size` bytes counted against the budget until the block
         ends; waits up to wait_s for room (less if `gone()` turns true), else raises
-        BudgetExhausted. A push larger than the whole budget (a large fragment's initial
-        fp32 values) is received alone: it has room once no other push holds any. Without
-        `reuse` (a one-off push: a fragment's initial values) the buffer is freed after."""
-        buffer = self._take(size, gone)
+        BudgetExhausted. An `initial` push (a fragment's initial values: once per fragment)
+        is a one-off, freed after; if it is larger than the whole budget it is received
+        alone: new pushes wait while it waits (up to ALONE_WAIT_S) for the others to end.
+        Any other push larger than the budget is refused at once."""
+        alone = size > self.budget_bytes
+        if alone and not initial:
+            raise ResourceExhausted(
+                f"push of {size} bytes exceeds the push memory budget of {self.budget_bytes} "
+                "bytes (push_memory_budget_mb)"
+            )
+        buffer = self._take(size, gone, alone)
         ok = False
         try:
             yield memoryview(buffer)[:size]
-            ok = reuse
+            ok = not initial
         finally:
             self._give_back(buffer, keep=ok)
 
-    def _take(self, size: int, gone: Callable[[], bool]) -> np.ndarray:
-        deadline = time.monotonic() + self.wait_s
+    def _take(self, size: int, gone: Callable[[], bool], alone: bool) -> np.ndarray:
+        deadline = time.monotonic() + (max(self.wait_s, ALONE_WAIT_S) if alone else self.wait_s)
         with self._cond:
-            while True:
-                # A kept buffer that fits without wasting more than half of itself.
-                fits = [i for i, b in enumerate(self._free) if size <= len(b) <= 2 * size]
-                if fits:
-                    return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
-                # Drop kept buffers (largest first) until a new one fits, if that is enough;
-                # a push that fits in no budget fits when it is the only one.
-                in_use = self._reserved - sum(len(b) for b in self._free)
-                if in_use + size <= self.budget_bytes or in_use == 0:
-                    self._free.sort(key=len)
-                    while self._free and self._reserved + size > self.budget_bytes:
-                        self._reserved -= len(self._free.pop())
-                    self._reserved += size
-                    # np.empty: pages are touched only as the payload arrives.
-                    return np.empty(size, dtype=np.uint8)
-                left = deadline - time.monotonic()
-                if left <= 0 or gone():
-                    self.refused += 1
-                    raise BudgetExhausted(
-                        f"push memory budget of {self.budget_bytes} bytes is in use by other "
-                        f"pushes; waited {self.wait_s:g} s (push_memory_budget_mb)"
-                    )
-                self._cond.wait(min(left, _POLL_S))
+            self._waiting_alone += alone
+            try:
+                while True:
+                    if alone or not self._waiting_alone:
+                        buffer = self._fitting(size)
+                        if buffer is not None:
+                            return buffer
+                    left = deadline - time.monotonic()
+                    if left <= 0 or gone():
+                        self.refused += 1
+                        raise BudgetExhausted(
+                            f"push memory budget of {self.budget_bytes} bytes is in use by "
+                            f"other pushes; waited {self.wait_s:g} s (push_memory_budget_mb)"
+                        )
+                    self._cond.wait(min(left, _POLL_S))
+            finally:
+                self._waiting_alone -= alone
+
+    def _fitting(self, size: int) -> np.ndarray | None:
+        """A buffer of at least `size` bytes if the budget has room for it now (a push larger
+        than the budget has room when no other push holds any), else None."""
+        # A kept buffer that fits without wasting more than half of itself.
+        fits = [i for i, b in enumerate(self._free) if size <= len(b) <= 2 * size]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: len(self._free[i])))
+        # Drop kept buffers (largest first) until a new one fits, if that is enough.
+        in_use = self._reserved - sum(len(b) for b in self._free)
+        if in_use + size > self.budget_bytes and in_use:
+            return None
+        self._free.sort(key=len)
+        while self._free and self._reserved + size > self.budget_bytes:
+            self._reserved -= len(self._free.pop())
+        self._reserved += size
+        # np.empty: pages are touched only as the payload arrives.
+        return np.empty(size, dtype=np.uint8)
 
     def _give_back(self, buffer: np.ndarray, keep: bool) -> None:
         with self._cond:

@@ -212,7 +212,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # before an ingest slot is taken: a learner on a slow link (or one that trickles on
         # purpose) must not hold up the others' pushes while its bytes arrive.
         gone = lambda: not context.is_active()  # noqa: E731
-        with self.push_budget.reserve(header.payload_bytes, gone, reuse=not initial) as buffer:
+        with self.push_budget.reserve(header.payload_bytes, gone, initial=initial) as buffer:
             payload = receive_into(buffer, pieces)
             # A slot bounds how many payloads are decoded and added at once; a push is added
             # to the round's sum straight from the buffer, in its wire encoding, without a

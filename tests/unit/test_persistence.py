@@ -72,10 +72,12 @@ def test_restart_resumes_exactly_where_it_stopped(
 
 
 @pytest.mark.parametrize("snapshot_every", [1, 100])  # restored from a snapshot; replayed
+@pytest.mark.parametrize("pull_codec", ["fp4_e2m1", "fp32"])  # fp32: every bit of θ shows
 def test_bfloat16_outer_state_resumes_exactly_and_a_change_of_dtype_converts(
-    tmp_path, snapshot_every
+    tmp_path, snapshot_every, pull_codec
 ) -> None:
-    compact = {"outer_state_dtype": "bfloat16", "snapshot_every_versions": snapshot_every}
+    same = {"snapshot_every_versions": snapshot_every, "pull_codec": pull_codec}
+    compact = {"outer_state_dtype": "bfloat16", **same}
     agg, s = start(tmp_path / "a", **compact)
     initialize_both(agg, s)
     run_rounds(agg, s, range(7))
@@ -85,15 +87,32 @@ def test_bfloat16_outer_state_resumes_exactly_and_a_change_of_dtype_converts(
     for a, b in zip(state(agg), state(restarted), strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     held = restarted._params.fragment(0)
-    assert held.outer.momentum_buffers[0].dtype == held._residual[0].dtype == torch.bfloat16
-    # A float32 state dir taken up with bfloat16: its buffers are converted, not refused.
-    exact, s3 = start(tmp_path / "b", snapshot_every_versions=snapshot_every)
+    assert held.outer.momentum_buffers[0].dtype == torch.bfloat16
+    assert (
+        held._residual is None
+        if pull_codec == "fp32"
+        else held._residual[0].dtype == torch.bfloat16
+    )
+    # A float32 state dir taken up with bfloat16 (killed each time, never checkpointed):
+    # the log replays in the dtype it was made in, every served version comes back exactly,
+    # and the state is kept in bfloat16 from then on.
+    exact, s3 = start(tmp_path / "b", **same)
     initialize_both(exact, s3)
-    run_rounds(exact, s3, range(3))
+    run_rounds(exact, s3, range(10))
     converted, s4 = start(tmp_path / "b", **compact)
-    run_rounds(converted, s4, range(3, 5))
-    assert [converted.version(f) for f in (0, 1)] == [5, 5]
+    assert_same(state(converted), state(exact))
     assert converted._params.fragment(0).outer.momentum_buffers[0].dtype == torch.bfloat16
+    run_rounds(converted, s4, range(10, 14))
+    again, _ = start(tmp_path / "b", **compact)
+    assert [again.version(f) for f in (0, 1)] == [14, 14]
+    assert_same(state(again), state(converted))
+    back, _ = start(tmp_path / "b", **same)
+    assert_same(state(back), state(converted))
+
+
+def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_torn_tail_is_dropped_and_the_log_truncated(tmp_path, caplog) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from common.errors import InvalidArgument
+from common.errors import InvalidArgument, ResourceExhausted
+from common.retry import wait_until
 from server.receive import BudgetExhausted, PushBudget, receive_into
 
 
@@ -24,23 +27,47 @@ def test_reservations_are_bounded_and_returned() -> None:
         assert budget.reserved_bytes() == 40
 
 
-def test_a_push_larger_than_the_budget_is_received_alone() -> None:
+def test_initial_values_larger_than_the_budget_are_received_alone() -> None:
     budget = PushBudget(budget_bytes=100, wait_s=0.0, keep=2)
     with budget.reserve(30):
         pass  # kept for reuse
+    with pytest.raises(ResourceExhausted, match="exceeds the push memory budget of 100"):
+        with budget.reserve(101):  # a delta larger than the budget: never
+            pass
     with budget.reserve(20):
         with pytest.raises(BudgetExhausted, match="push_memory_budget_mb"):
-            with budget.reserve(101):  # not beside another push
+            with budget.reserve(101, gone=lambda: True, initial=True):  # not beside another
                 pass
     assert budget.refused == 1
-    with budget.reserve(101) as alone:  # the kept buffers are dropped for it
+    with budget.reserve(101, initial=True) as alone:  # the kept buffers are dropped for it
         assert len(alone) == 101 and budget.reserved_bytes() == 101
         with pytest.raises(BudgetExhausted):
             with budget.reserve(1):  # nothing fits beside it
                 pass
-    assert budget.reserved_bytes() == 101  # kept for the next push of its size
-    with budget.reserve(10):  # too small for the kept one, which is dropped to make room
-        assert budget.reserved_bytes() == 10
+    assert budget.reserved_bytes() == 0  # a one-off: freed
+
+
+def test_new_pushes_wait_while_initial_values_wait_to_be_received_alone() -> None:
+    """Pushes that keep coming cannot starve a fragment's initial values: while those wait,
+    new pushes wait too, and once the ones in flight end the initial values go in."""
+    budget = PushBudget(budget_bytes=100, wait_s=5.0, keep=0)
+    first = budget.reserve(40)
+    first.__enter__()
+    admitted = threading.Event()
+
+    def initial() -> None:
+        with budget.reserve(150, initial=True):
+            admitted.set()
+
+    thread = threading.Thread(target=initial)
+    thread.start()
+    wait_until(lambda: budget._waiting_alone == 1, 10, "the initial push waiting")
+    with pytest.raises(BudgetExhausted):
+        with budget.reserve(40, gone=lambda: True):  # would fit, but waits its turn
+            pass
+    first.__exit__(None, None, None)
+    thread.join(10)
+    assert admitted.is_set() and budget.reserved_bytes() == 0
 
 
 def test_a_failed_push_frees_its_buffer_and_kept_ones_make_room() -> None:
@@ -64,7 +91,7 @@ def test_receive_into_needs_exactly_the_announced_bytes() -> None:
 
 def test_one_off_pushes_are_not_kept_and_small_pushes_take_small_buffers() -> None:
     budget = PushBudget(budget_bytes=200, wait_s=0.0, keep=4)
-    with budget.reserve(100, reuse=False):  # a fragment's initial values
+    with budget.reserve(100, initial=True):  # a fragment's initial values
         pass
     assert budget.reserved_bytes() == 0
     with budget.reserve(100):
