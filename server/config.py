@@ -168,8 +168,8 @@ class OuterConfig:
     outer_state_dtype: str = "float32"
     """float32 or bfloat16 (sync/quorum): the dtype of the outer momentum and of the pull
     codec's error-feedback residual. bfloat16 halves both (the server then holds 3 fp32
-    copies of its fragments, not 4) at a small cost in quality (docs/RESULTS.md); replicas
-    stay bit-identical. float32: torch's SGD exactly."""
+    copies of its fragments, not 4, with 4-bit pulls) with no quality cost measured
+    (docs/RESULTS.md); replicas stay bit-identical. float32: torch's SGD exactly."""
 
     def __post_init__(self) -> None:
         if self.outer_state_dtype not in STATE_DTYPES:
