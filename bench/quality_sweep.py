@@ -1,7 +1,7 @@
 """The learning-rate sweeps and the step-count trend behind bench/quality.py's settings.
 
     python bench/quality_sweep.py lr       # data-parallel's lr and the learners' inner lr
-    python bench/quality_sweep.py trend    # headline rows at 1,000 and 3,000 steps, seed 0
+    python bench/quality_sweep.py trend    # headline rows at 1,000 and 3,000 steps (--seeds)
     python bench/quality_sweep.py lr --dp-lrs --codec sparse-2bit --topk 0.015625 \
         --inner-lrs 2e-3 --outer-lrs 1 2 4 --feedback-decays 0.9 0.95 0.98   # sparse's outer step
 
@@ -49,11 +49,15 @@ def lr_rows(args: argparse.Namespace) -> list[Row]:
 
 def trend_rows(args: argparse.Namespace) -> list[Row]:
     rows = []
-    for steps in args.steps_list:
-        rows.append(Row("dp", lr=args.dp_lr, steps=steps))
-        for codec in args.codecs:
-            name, _, topk = codec.partition(":")
-            rows.append(Row(name, h=args.h, topk=float(topk or 0), lr=args.inner_lr, steps=steps))
+    for seed in args.seeds:
+        for steps in args.steps_list:
+            rows.append(Row("dp", lr=args.dp_lr, steps=steps, seed=seed))
+            for codec in args.codecs:
+                name, _, fraction = codec.partition(":")
+                topk = float(fraction or 0)
+                rows.append(
+                    Row(name, h=args.h, topk=topk, lr=args.inner_lr, steps=steps, seed=seed)
+                )
     return rows
 
 
@@ -62,7 +66,7 @@ def main() -> int:
     parser.add_argument("what", choices=["lr", "trend"])
     parser.add_argument("--dp-lrs", type=float, nargs="*", default=[1e-3, 2e-3, 4e-3])
     parser.add_argument("--inner-lrs", type=float, nargs="*", default=[1e-3, 2e-3, 4e-3])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="lr: seeds of each")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of each row")
     parser.add_argument("--codec", default="fp4", help="lr: the DiLoCo row's codec")
     parser.add_argument("--topk", type=float, default=0.0, help="lr: its top-k fraction")
     parser.add_argument("--h", type=int, default=20, help="H of the DiLoCo rows")
