@@ -32,11 +32,15 @@ def test_two_shards_split_the_fragments_and_every_figure_is_measured() -> None:
 
 def test_quick_measures_every_figure_into_its_own_file(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(scale, "RESULTS", tmp_path)
-    monkeypatch.setattr(sys, "argv", ["scale.py", "--quick", "--side", "64", "--shards", "1"])
+    argv = ["scale.py", "--quick", "--side", "64", "--shards", "1"]
+    flags = "--outer-state-dtype bfloat16 --push-memory-budget-mb 1"  # passed to each shard
+    monkeypatch.setattr(sys, "argv", [*argv, "--shard-flags", flags])
     assert scale.main() == 0
     assert not (tmp_path / "scale.json").exists()  # the full run's figures stay as they are
     report = json.loads((tmp_path / "scale_quick.json").read_text())
     assert report["quick"] and [r["shards"] for r in report["runs"]] == [1]
+    assert report["shard_flags"] == flags
     (only,) = report["runs"]
-    figures = ("rss_per_owned_model", "pushes_per_s", "cpu_s_per_gb", "pull_p50_s", "pull_p99_s")
+    figures = ("rss_per_owned_model", "pushes_per_s", "cpu_s_per_gb", "cpu_s_per_accepted_gb")
+    figures += ("pull_p50_s", "pull_p99_s")
     assert all(only[k] is not None and only[k] > 0 for k in figures)

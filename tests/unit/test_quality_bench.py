@@ -27,6 +27,29 @@ def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:
     assert quality_runs.cache_key(swept.setup(), swept.variant()) != key
 
 
+def test_a_state_dtype_row_is_its_own_run_and_float32_keeps_the_cached_key() -> None:
+    plain = Row("fp4", h=20, lr=2e-3)
+    compact = Row("fp4", h=20, lr=2e-3, state_dtype="bfloat16")
+    assert compact.variant().server == {"outer_state_dtype": "bfloat16"}
+    assert compact.method == "fp4 H=20 lr 0.002 bfloat16 state"
+    assert plain.variant().server == {}  # the key of every run cached before the setting
+    sparse = Row("sparse-2bit", h=20, topk=1 / 64, state_dtype="bfloat16").variant()
+    assert sparse.server == {"pull_topk_fraction": 1 / 32, "outer_state_dtype": "bfloat16"}
+
+
+def test_the_trend_has_every_row_at_every_step_count_and_seed() -> None:
+    from bench.quality_sweep import trend_rows
+
+    args = argparse.Namespace(
+        seeds=[0, 1], steps_list=[1000, 3000], codecs=["fp4", "sparse-2bit:0.015625"], h=20,
+        dp_lr=2e-3, inner_lr=2e-3,
+    )  # fmt: skip
+    rows = trend_rows(args)
+    assert len(rows) == 2 * 2 * 3 and len(set(rows)) == len(rows)
+    assert Row("sparse-2bit", h=20, topk=0.015625, lr=2e-3, steps=3000, seed=1) in rows
+    assert Row("dp", lr=2e-3, steps=1000, seed=1) in rows
+
+
 def test_a_row_is_a_codec_name_h_and_learning_rate() -> None:
     fp4 = Row("fp4", h=20, lr=2e-3).variant()
     assert (fp4.push_codec, fp4.pull_codec, fp4.sync_every_steps) == ("fp4_e2m1", "fp4_e2m1", 20)
