@@ -75,7 +75,8 @@ class GlobalParams:
             before_replay(fragment, record.outer_every)
             fragment.apply_mean(record.mean)
         # Replayed in the snapshot's state dtype; kept in the configured one from now on.
-        return any([fragment.convert_state() for fragment in self.fragments])
+        changed = [fragment.convert_state() for fragment in self.fragments]  # every one
+        return any(changed)
 
     def fragment(self, fragment_id: int) -> FragmentState:
         """A fragment this shard owns (FailedPrecondition naming the owner otherwise)."""

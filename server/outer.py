@@ -8,7 +8,7 @@ the state explicit and per fragment so it can be saved, restored and sharded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -134,32 +134,40 @@ class NesterovOuter:
         )
         self.steps_taken += 1
         scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
+        momentum_of = self._chunk_momentum(grads, momentum, torch.empty_like(scratch))
+        for i, g in enumerate(grads):
+            flat_g = _flat(g)
+            for start, stop in spans(flat_g.numel()):
+                out = scratch[: stop - start]
+                torch.add(flat_g[start:stop], momentum_of(i, start, stop), alpha=momentum, out=out)
+                yield i, start, out
+
+    def _chunk_momentum(
+        self, grads: list[torch.Tensor], momentum: float, advanced: torch.Tensor
+    ) -> Callable[[int, int, int], torch.Tensor]:
+        """The advanced momentum of values [start, stop) of tensor i, in float32. float32
+        buffers are advanced whole first, as torch's SGD does; bfloat16 ones a chunk at a
+        time, in float32 (`advanced`), stored rounded."""
         if self.state_dtype == "float32":
-            buffers = self._advance_whole(grads, momentum)
-            for i, (g, buf) in enumerate(zip(grads, buffers, strict=True)):
-                flat_g, flat_buf = _flat(g), _flat(buf)
-                for start, stop in spans(flat_g.numel()):
-                    out = scratch[: stop - start]
-                    torch.add(flat_g[start:stop], flat_buf[start:stop], alpha=momentum, out=out)
-                    yield i, start, out
-            return
+            whole = self._advance_whole(grads, momentum)
+            return lambda i, start, stop: _flat(whole[i])[start:stop]
         first = self.momentum_buffers is None
-        if first:
+        if self.momentum_buffers is None:
             dtype = STATE_DTYPES[self.state_dtype]
             self.momentum_buffers = [torch.empty(g.shape, dtype=dtype) for g in grads]
-        advanced = torch.empty_like(scratch)  # the chunk's momentum, in float32
-        for i, (g, buf) in enumerate(zip(grads, self.momentum_buffers, strict=True)):
-            flat_g, flat_buf = _flat(g), _flat(buf)
-            for start, stop in spans(flat_g.numel()):
-                m = advanced[: stop - start]
-                if first:  # torch starts the buffer as a copy of the first gradient
-                    m.copy_(flat_g[start:stop])
-                else:
-                    m.copy_(flat_buf[start:stop]).mul_(momentum).add_(flat_g[start:stop])
-                flat_buf[start:stop] = m
-                out = scratch[: stop - start]
-                torch.add(flat_g[start:stop], m, alpha=momentum, out=out)
-                yield i, start, out
+        buffers = self.momentum_buffers
+
+        def advance(i: int, start: int, stop: int) -> torch.Tensor:
+            g, buf = _flat(grads[i])[start:stop], _flat(buffers[i])[start:stop]
+            m = advanced[: stop - start]
+            if first:  # torch starts the buffer as a copy of the first gradient
+                m.copy_(g)
+            else:
+                m.copy_(buf).mul_(momentum).add_(g)
+            buf.copy_(m)
+            return m
+
+        return advance
 
     def _advance_whole(self, grads: list[torch.Tensor], momentum: float) -> list[torch.Tensor]:
         """Advance float32 buffers as torch's SGD does, whole tensors at a time."""
