@@ -41,7 +41,11 @@ class AggregatorClient:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Block until the channel connects; raises grpc.FutureTimeoutError otherwise."""
-        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        self.ready_future().result(timeout=timeout_s)
+
+    def ready_future(self) -> grpc.Future:
+        """A future done once the channel connects (cancel it to stop waiting)."""
+        return grpc.channel_ready_future(self._channel)
 
     def join(
         self, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens_per_step: int = 0

@@ -9,8 +9,11 @@ later one is answered ALREADY_EXISTS). Then, for a fragment a checkpoint saved (
 only the updates since the saved version are pulled, and if the run has not moved it
 meanwhile the learner keeps its local parameters for it (`kept`), so no inner step since the
 last push is lost. Every other fragment, or one the server cannot continue, comes as a
-snapshot. Nothing here retries: a server gone again fails the join, and the session backs
-off and joins later (SyncSession._try_rejoin).
+snapshot. A fragment whose shard was away at the join (`away`) is neither offered nor
+pulled: its replica stands in as the checkpoint saved it, or else as the local parameters at
+version -1, and the learner keeps its local parameters for it until that shard is joined
+(learner/rejoin.py), which loads the fragment as above. Nothing here retries: a server gone
+again fails the join, and the session backs off and joins later (SyncSession._try_rejoin).
 """
 
 from __future__ import annotations
@@ -49,9 +52,11 @@ class ReplicaLoader:
         session_id: str,
         fragments: Sequence[pb.FragmentLayout],
         resume: list[SavedReplica] | None,
+        away: frozenset[int] | set[int] = frozenset(),
     ) -> tuple[list[FragmentReplica], set[int]]:
         """(a replica per fragment at the run's version, the fragments whose local
-        parameters are still current and must be kept)."""
+        parameters are still current and must be kept); the fragments in `away` are
+        neither offered nor pulled (their shard did not answer the join)."""
         saved = {(r.fragment_id, tuple(r.indices)): r for r in resume or []}
         replicas, kept = [], set()
         for f in fragments:
@@ -60,9 +65,14 @@ class ReplicaLoader:
                 list(f.param_indices),
                 [tuple(self.params[i].shape) for i in f.param_indices],
             )
+            mine = saved.get((f.fragment_id, tuple(f.param_indices)))
+            if f.fragment_id in away:
+                self._stand_in(replica, mine)
+                kept.add(f.fragment_id)
+                replicas.append(replica)
+                continue
             if f.version < 0:
                 self._offer_initial_params(session_id, replica)
-            mine = saved.get((f.fragment_id, tuple(f.param_indices)))
             if mine is not None and self._pull_since(replica, mine):
                 if replica.version == mine.version:
                     kept.add(f.fragment_id)  # nobody moved it: keep the local progress
@@ -70,6 +80,21 @@ class ReplicaLoader:
                 replica.apply(self.transport.pull(replica.fragment_id, -1, 0, retry=False))
             replicas.append(replica)
         return replicas, kept
+
+    def _stand_in(self, replica: FragmentReplica, saved: SavedReplica | None) -> None:
+        """Fill the replica of a fragment whose shard is away: as saved, or else the local
+        parameters at version -1 (its shard's join then pulls a snapshot)."""
+        if saved is not None:
+            replica.params, replica.version = [p.clone() for p in saved.params], saved.version
+        else:
+            replica.params = [
+                self.params[i].detach().to("cpu", torch.float32, copy=True) for i in replica.indices
+            ]
+        log.info(
+            "learner=%s fragment %d: its shard is away; training on the local parameters",
+            self.learner_id,
+            replica.fragment_id,
+        )
 
     def _pull_since(self, replica: FragmentReplica, saved: SavedReplica) -> bool:
         """Bring a saved replica up to date with the updates since its version; False if

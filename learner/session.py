@@ -219,7 +219,9 @@ class SyncSession:
             len(reply.fragments),
             reply.layout,
         )
-        replicas, kept = self.replicas.load(reply.session_id, reply.fragments, resume)
+        # Fragments whose shard did not answer come in when it does (ShardRejoins).
+        away = self.client.away()
+        replicas, kept = self.replicas.load(reply.session_id, reply.fragments, resume, away)
         schedule = Schedule(cfg.sync_every_steps, len(replicas), cfg.overlap_steps)
         blocking = self.pacer.blocking = reply.mode == "sync"  # quorum, async: never wait
         if not blocking and reply.schedule_step > 0:

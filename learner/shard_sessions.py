@@ -2,7 +2,7 @@
 shard, the Membership they make up, and the shards that no longer know theirs.
 
     sessions = ShardSessions()
-    sessions.joined_all(replies)          # a join of every shard, in index order
+    sessions.joined_all(replies)          # a join of the shards, in index order
     sessions.note_lost(shard, session)    # the shard answered NOT_FOUND, or restarted
     sessions.joined(shard, reply)         # that shard alone joined again
     sessions.membership()                 # what heartbeats, pushes and pulls go with
@@ -50,13 +50,14 @@ class ShardSessions:
         with self._lock:
             return set(self._lost)
 
-    def joined_all(self, replies: Sequence[pb.JoinResponse]) -> None:
-        """A join of every shard (`replies` in index order): a new session, nothing lost."""
+    def joined_all(self, replies: Sequence[pb.JoinResponse | None]) -> None:
+        """A join of the shards (`replies` in index order, None for a shard that was away:
+        lost until it is joined alone): a new session."""
         with self._lock:
-            self._sessions = [r.session_id for r in replies]
-            self._epochs = [r.server_epoch for r in replies]
-            self._lost = set()
-            self._membership = self._made(min(r.lease_s for r in replies))
+            self._sessions = [r.session_id if r else "" for r in replies]
+            self._epochs = [r.server_epoch if r else 0 for r in replies]
+            self._lost = {shard for shard, r in enumerate(replies) if r is None}
+            self._membership = self._made(min(r.lease_s for r in replies if r))
 
     def joined(self, shard: int, reply: pb.JoinResponse) -> None:
         """The shard alone joined again; the other shards' sessions stay."""

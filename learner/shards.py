@@ -10,7 +10,11 @@ first join and, when the run has N > 1 shards, uses the addresses the server adv
 join goes to every shard; all must agree on N, their index (the list is in index order), the
 map id (fingerprint, P, layout, owners) and the mode, or the join fails with ShardMapError
 naming the shard. The learner's session is then one id per shard, joined with SEP, and the
-server epoch one hash of the shards' epochs (`membership()`).
+server epoch one hash of the shards' epochs (`membership()`). A shard that cannot be reached
+at the join (down, or not started yet) does not hold the others up: the join takes the map
+from the shards that answer, the absent one counts as lost (its fragments are `away()` until
+`join_shard` joins it, which checks it against that map), and only a join that no shard
+answers fails.
 
 Heartbeats go to every shard at once, each bounded by a third of the lease; a shard that
 cannot be reached is skipped (its fragments keep their last known versions) while the live
@@ -42,6 +46,11 @@ __all__ = ["SEP", "ShardMapError", "ShardedClient"]
 
 log = logging.getLogger("diloco.learner")
 
+# Once one shard's channel is up, how long wait_ready waits for the others before the join
+# goes on without them (they are joined when they answer: learner/rejoin.py).
+ABSENT_GRACE_S = 10.0
+_READY_POLL_S = 0.05
+
 
 class ShardMapError(ValueError):
     """The shards disagree with each other or with the learner's list of them."""
@@ -68,7 +77,9 @@ class ShardedClient:
         self._clients = [self._client(a) for a in self.addresses]
         self._owners: list[int] = []  # owner shard of each fragment, from the last join
         self._versions: list[int] = []  # last known version of each fragment
-        self._map: pb.JoinResponse | None = None  # shard 0's join reply: the map to agree on
+        # The join reply of the first shard that answered the last join: the map to agree on.
+        self._map: pb.JoinResponse | None = None
+        self._map_shard = 0
         self.sessions = ShardSessions()
 
     @property
@@ -87,6 +98,11 @@ class ShardedClient:
         """The shards (N > 1) that no longer know the current session: join_shard them."""
         return self.sessions.lost()
 
+    def away(self) -> set[int]:
+        """The fragments whose owner no longer knows the session (or never answered a join)."""
+        lost = self.lost_shards()
+        return {fid for fid, owner in enumerate(self._owners) if owner in lost}
+
     def shard_of(self, fragment_id: int) -> int:
         """The shard that owns the fragment (0 before the first join)."""
         return self._owners[fragment_id] if fragment_id < len(self._owners) else 0
@@ -96,10 +112,28 @@ class ShardedClient:
             client.close()
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until every listed shard's channel connects (grpc.FutureTimeoutError)."""
+        """Block until every listed shard's channel connects, or until one has and the others
+        had ABSENT_GRACE_S more (the join goes on without them); grpc.FutureTimeoutError if
+        none connects within `timeout_s`."""
+        futures = [client.ready_future() for client in self._clients]
         deadline = time.monotonic() + timeout_s
-        for client in self._clients:
-            client.wait_ready(max(0.0, deadline - time.monotonic()))
+        try:
+            while not all(f.done() for f in futures):
+                now = time.monotonic()
+                if any(f.done() for f in futures):
+                    deadline = min(deadline, now + ABSENT_GRACE_S)
+                if now >= deadline:
+                    if not any(f.done() for f in futures):
+                        raise grpc.FutureTimeoutError()
+                    log.warning(
+                        "shards %s not reachable yet; joining the others",
+                        [i for i, f in enumerate(futures) if not f.done()],
+                    )
+                    return
+                time.sleep(min(_READY_POLL_S, max(0.0, deadline - now)))
+        finally:
+            for future in futures:
+                future.cancel()
 
     def discover(self) -> None:
         """Given one address: take the run's shard addresses from it, once (join does)."""
@@ -135,15 +169,39 @@ class ShardedClient:
             self._owners = [0] * len(reply.fragments)
             self._remember([reply], reply.fragments)
             return reply
-        replies = [self._join_shard(i, *join) for i in range(self.shard_count)]
-        check_agreement(replies, self.addresses)
-        self._map, self._owners = replies[0], list(replies[0].fragment_owners)
+        replies: list[pb.JoinResponse | None] = []
+        unreachable: grpc.RpcError | None = None
+        for shard in range(self.shard_count):
+            try:
+                replies.append(self._join_shard(shard, *join))
+            except grpc.RpcError as err:  # retryable: the shard is away (others raise)
+                replies.append(None)
+                unreachable = unreachable or err
+                log.warning(
+                    "shard=%d at %s unreachable at join (%s); joining the others, it is "
+                    "joined when it answers",
+                    shard,
+                    self.addresses[shard],
+                    err.code().name,
+                )
+        answered = [shard for shard, r in enumerate(replies) if r is not None]
+        if not answered:
+            raise unreachable  # type: ignore[misc]  # every shard raised
+        self._map_shard = answered[0]
+        self._map = first = replies[self._map_shard]
+        for shard in answered:
+            check_shard(replies[shard], shard, self.addresses[shard], self.shard_count,
+                        first, self._map_shard)  # fmt: skip
+        self._owners = list(first.fragment_owners)
         reply = pb.JoinResponse()
-        reply.CopyFrom(replies[0])
-        reply.schedule_step = max(r.schedule_step for r in replies)
+        reply.CopyFrom(first)
+        reply.schedule_step = max(replies[shard].schedule_step for shard in answered)
         for fragment in reply.fragments:
             owner = replies[self._owners[fragment.fragment_id]]
-            fragment.version = _version_in(owner.fragments, fragment.fragment_id)
+            # A fragment whose owner is away stays at -1 until that shard is joined.
+            fragment.version = (
+                -1 if owner is None else _version_in(owner.fragments, fragment.fragment_id)
+            )
         self._remember(replies, reply.fragments)
         joined = self.sessions.membership()
         reply.session_id, reply.server_epoch = joined.session_id, joined.server_epoch
@@ -158,7 +216,9 @@ class ShardedClient:
         if self._map is None:
             raise RuntimeError("join_shard() before the first join")
         reply = self._join_shard(shard, learner_id, fingerprint, tokens)
-        check_shard(reply, shard, self.addresses[shard], self.shard_count, self._map)
+        check_shard(
+            reply, shard, self.addresses[shard], self.shard_count, self._map, self._map_shard
+        )
         for fid, owner in enumerate(self._owners):
             if owner == shard:
                 self._versions[fid] = _version_in(reply.fragments, fid)
@@ -264,10 +324,10 @@ class ShardedClient:
             ) from err
 
     def _remember(
-        self, replies: Sequence[pb.JoinResponse], fragments: Sequence[pb.FragmentLayout]
+        self, replies: Sequence[pb.JoinResponse | None], fragments: Sequence[pb.FragmentLayout]
     ) -> None:
-        """Take in a join of every shard: `replies` in shard order, `fragments` each at its
-        owner's version."""
+        """Take in a join of the shards: `replies` in shard order (None: the shard was
+        away), `fragments` each at its owner's version."""
         self._versions = [f.version for f in sorted(fragments, key=lambda f: f.fragment_id)]
         self.sessions.joined_all(replies)
 
@@ -295,18 +355,16 @@ class ShardedClient:
         )
 
 
-def check_agreement(replies: Sequence[pb.JoinResponse], addresses: Sequence[str]) -> None:
-    """ShardMapError, naming the shard, unless every shard's join reply fits the list and
-    the first shard's map (N, index, map id, mode)."""
-    for shard, (reply, address) in enumerate(zip(replies, addresses, strict=True)):
-        check_shard(reply, shard, address, len(addresses), replies[0])
-
-
 def check_shard(
-    reply: pb.JoinResponse, shard: int, address: str, shard_count: int, first: pb.JoinResponse
+    reply: pb.JoinResponse,
+    shard: int,
+    address: str,
+    shard_count: int,
+    first: pb.JoinResponse,
+    first_shard: int = 0,
 ) -> None:
     """ShardMapError, naming the shard, unless its join reply says it is shard `shard` of
-    `shard_count` with shard 0's map id and mode (`first`: shard 0's reply)."""
+    `shard_count` with the map id and mode of `first` (shard `first_shard`'s reply)."""
     where = f"shard {shard} at {address}"
     if reply.shard_count != shard_count:
         raise ShardMapError(
@@ -317,11 +375,13 @@ def check_shard(
         raise ShardMapError(f"{where} is shard {reply.shard_index}: list the shards in index order")
     if reply.map_id != first.map_id:
         raise ShardMapError(
-            f"{where} has shard map {reply.map_id}, shard 0 has {first.map_id}: the "
-            f"shards disagree on the fingerprint, fragments, layout or shard count"
+            f"{where} has shard map {reply.map_id}, shard {first_shard} has {first.map_id}: "
+            f"the shards disagree on the fingerprint, fragments, layout or shard count"
         )
     if reply.mode != first.mode:
-        raise ShardMapError(f"{where} runs mode {reply.mode}, shard 0 runs {first.mode}")
+        raise ShardMapError(
+            f"{where} runs mode {reply.mode}, shard {first_shard} runs {first.mode}"
+        )
 
 
 def _version_in(fragments: Sequence[pb.FragmentLayout], fragment_id: int) -> int:

@@ -40,10 +40,15 @@ def address(service) -> str:
 
 def initialize_all(client: ShardedClient, session: str) -> None:
     """Offer every fragment's initial parameters, through the client's routing."""
-    for fid, shape in enumerate(SHAPES):
-        header = pb.PushHeader(session_id=session, fragment_id=fid, kind=pb.PUSH_KIND_INITIAL)
-        header.base_version = -1
-        client.push(header, encode_fragment([torch.ones(shape)], "fp32"))
+    for fid in range(len(SHAPES)):
+        initialize(client, session, fid)
+
+
+def initialize(client: ShardedClient, session: str, fid: int) -> None:
+    """Offer the fragment's initial parameters (ones), through the client's routing."""
+    header = pb.PushHeader(session_id=session, fragment_id=fid, kind=pb.PUSH_KIND_INITIAL)
+    header.base_version = -1
+    client.push(header, encode_fragment([torch.ones(SHAPES[fid])], "fp32"))
 
 
 def test_one_address_discovers_the_shards_and_routes_each_fragment(start_service) -> None:
@@ -180,8 +185,51 @@ def test_a_restarted_shard_is_joined_again_alone_while_another_is_down(start_ser
     # An answer about the old session is old news: the shard stays joined.
     client.heartbeat(pb.HeartbeatRequest(session_id=reply.session_id))
     assert not client.lost_shards()
-    header = pb.PushHeader(session_id=session, fragment_id=2, kind=pb.PUSH_KIND_INITIAL)
-    header.base_version = -1
-    client.push(header, encode_fragment([torch.ones(SHAPES[2])], "fp32"))
+    initialize(client, session, 2)
     assert client.pull(session, 2, -1)[0].version == 0
+    client.close()
+
+
+def test_a_shard_away_at_the_first_join_is_joined_when_it_answers(start_service) -> None:
+    shards = start_shards(start_service, count=3)
+    addresses = [address(s) for s in shards]
+    port = shards[0].port
+    shards[0].stop(grace_s=0)  # away before the learner's first join
+    client = ShardedClient(addresses)
+    client.wait_ready(2)  # shards 1 and 2 are up: shard 0 gets what is left, then the join goes on
+    reply = client.join("l0", FINGERPRINT)
+    # Owners [1, 0, 2]: fragment 1 waits for shard 0; the map came from shard 1.
+    assert list(reply.fragment_owners) == [1, 0, 2]
+    assert client.lost_shards() == {0} and client.away() == {1}
+    assert [f.version for f in reply.fragments] == [-1, -1, -1]
+    session = reply.session_id
+    assert session.split(SEP)[0] == "" and all(session.split(SEP)[1:])
+    for fid in (0, 2):  # the live shards' fragments sync as usual
+        initialize(client, session, fid)
+        assert client.pull(session, fid, -1)[0].version == 0
+    with pytest.raises(grpc.RpcError) as away:
+        client.join_shard(0, "l0", FINGERPRINT)
+    assert away.value.code() == grpc.StatusCode.UNAVAILABLE and client.away() == {1}
+
+    start_service(listen=f"127.0.0.1:{port}", fragments=3, shard_index=0, shard_count=3)
+    again = client.join_shard(0, "l0", FINGERPRINT)  # checked against shard 1's map
+    assert again.map_id == reply.map_id and not client.lost_shards() and not client.away()
+    session = client.membership().session_id
+    assert session.split(SEP)[0] == again.session_id
+    initialize(client, session, 1)
+    assert client.pull(session, 1, -1)[0].version == 0
+    client.close()
+
+
+def test_a_join_no_shard_answers_fails_with_the_shards_error(start_service) -> None:
+    shards = start_shards(start_service, count=2)
+    addresses = [address(s) for s in shards]
+    for shard in shards:
+        shard.stop(grace_s=0)
+    client = ShardedClient(addresses)
+    with pytest.raises(grpc.FutureTimeoutError):
+        client.wait_ready(0.5)
+    with pytest.raises(grpc.RpcError) as failed:
+        client.join("l0", FINGERPRINT)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # the session backs off
     client.close()

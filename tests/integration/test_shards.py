@@ -2,7 +2,8 @@
 its owner only, a shard killed with -9 mid-round stalls only its own fragment, another shard
 killed with -9 and restarted meanwhile is joined again and syncs on while the first is still
 down, each restarts from its state dir without losing a served version, and the replicas end
-bit-identical to the shards' parameters."""
+bit-identical to the shards' parameters; and a learner that starts while a shard is down
+trains and syncs with the others, then joins that shard when it comes up."""
 
 from __future__ import annotations
 
@@ -140,3 +141,33 @@ def test_three_shards_two_learners_kill_9_of_one_shard(tmp_path) -> None:
     assert all(final[fid][0] > before[fid] for fid in final)  # c's pushes made new versions
     assert {fid: (c["versions"][fid], c["params_crc32"][fid]) for fid in final} == final
     assert summaries["a"]["rejoins"] >= 1 and summaries["b"]["rejoins"] >= 1  # caught up
+
+
+def test_a_learner_started_while_a_shard_is_down_joins_it_when_it_comes_up(tmp_path) -> None:
+    shards = [start_shard(tmp_path, i, f"shard-{i}") for i in range(SHARDS)]
+    ports = [shard.port for shard in shards]
+    addresses = ",".join(f"127.0.0.1:{port}" for port in ports)
+    shards[2].stop(30)  # down before any learner has joined it
+    flags = ["--server", addresses, "--summary-file", str(tmp_path / "a.json")]
+    learner = None
+    try:
+        learner = learner_process(tmp_path, ports[0], "a", *flags, "--max-outer-steps", "1000000")
+        live_ports = ports[:2]
+        wait_until(lambda: all(pushed_since_start(p) == {"a"} for p in live_ports), WAIT_S,
+                   "the learner syncing with the live shards")  # fmt: skip
+        wait_versions_beyond(live_ports, all_versions(live_ports), 2, "the live shards' rounds")
+        assert learner.running() and not shards[2].running()
+
+        shards[2] = start_shard(tmp_path, 2, "shard-2-late", port=ports[2])
+        wait_until(lambda: pushed_since_start(ports[2]) == {"a"}, WAIT_S, "the late shard joined")
+        (late_fid, (version, _)) = next(iter(shard_fragments(ports[2]).items()))
+        wait_versions_beyond([ports[2]], {late_fid: version}, 2, "the late shard's rounds")
+        assert learner.stop(60) == 0, learner_log(tmp_path, "a")
+    finally:
+        if learner is not None:
+            learner.stop(30)
+        for shard in shards:
+            shard.stop(30)
+    summary = json.loads((tmp_path / "a.json").read_text())
+    assert summary["rejoins"] >= 1
+    assert "unreachable at join" in learner_log(tmp_path, "a")
