@@ -11,8 +11,11 @@ fragments, whatever their state: one that is down meanwhile holds up nothing but
 fragments. The rejoined shard's fragments are loaded as at a join (learner/replicas.py): the
 updates since the replica's version are pulled, and if the shard has not moved a fragment
 since, the learner keeps its local parameters for it; otherwise they become the global ones.
-A shard still away is tried again with backoff. With one shard a lost session is the whole
-session's, and SyncSession joins again instead.
+A shard still away is tried again with backoff, the other lost ones meanwhile. A shard that
+did not answer the learner's first join is lost the same way. While a shard is lost its
+fragments' pushes are skipped (StreamingSync `away`), so that nothing, in sync mode too,
+waits for them. With one shard a lost session is the whole session's, and SyncSession joins
+again instead.
 """
 
 from __future__ import annotations
@@ -38,31 +41,37 @@ class ShardRejoins:
         self.session = session
         self._gate = RetryGate()
 
-    def try_rejoin(self, wait: bool = False) -> bool:
+    def try_rejoin(self, now: bool = False) -> bool:
         """Join each lost shard again; True if local parameters changed. A shard that cannot
-        be reached is tried again after a backoff; `wait`: raise its error instead."""
+        be reached (or lost the session again) is tried again after a backoff, the others
+        meanwhile: one that is away holds up no other's rejoin. `now`: whatever the backoff
+        (at the end of a run)."""
         lost = self.session.client.lost_shards()
-        if not lost or (not wait and not self._gate.due()):
+        if not lost or (not now and not self._gate.due()):
             return False
-        changed = False
+        changed, failed = False, []
         for shard in sorted(lost):
             try:
                 changed |= self._rejoin(shard)
             except grpc.RpcError as err:
                 self.session.client.sessions.mark_lost(shard)  # in case it joined half way
                 # Away, or already lost again (NOT_FOUND): another try later.
-                if wait or not (is_retryable(err) or err.code() == grpc.StatusCode.NOT_FOUND):
+                if not (is_retryable(err) or err.code() == grpc.StatusCode.NOT_FOUND):
                     raise
-                delay = self._gate.failed(err)
-                log.warning(
-                    "learner=%s shard=%d unreachable (%s); training on, next try in %.1f s",
-                    self.session.learner_id,
-                    shard,
-                    err.code().name,
-                    delay,
-                )
-                return changed
-        self._gate.succeeded()
+                failed.append((shard, err))
+        if not failed:
+            self._gate.succeeded()
+            return changed
+        delay = self._gate.failed(failed[0][1])
+        for shard, err in failed:
+            log.warning(
+                "learner=%s shard=%d unreachable (%s); training on without its fragments, "
+                "next try in %.1f s",
+                self.session.learner_id,
+                shard,
+                err.code().name,
+                delay,
+            )
         return changed
 
     def _rejoin(self, shard: int) -> bool:

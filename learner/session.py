@@ -143,8 +143,9 @@ class SyncSession:
     def drain(self) -> None:
         """Merge the syncs still in flight after the last step, then take the global values.
 
-        Ends with every local parameter equal to the newest server version this learner saw.
-        If the server restarted meanwhile, the in-flight pushes are lost (they were never
+        Ends with every local parameter equal to the newest server version this learner saw
+        (a shard still away at the end keeps its fragments' local values). If the server
+        restarted meanwhile, the in-flight pushes are lost (they were never
         applied) and the learner re-syncs to the restored state instead.
         """
         if self.sync is None:
@@ -161,8 +162,10 @@ class SyncSession:
             self._join()
             self.progress.rejoins += 1
         else:
-            self.shard_rejoins.try_rejoin(wait=True)  # the syncs it lost ended with nothing
-        self.sync.load_globals()
+            # The syncs it lost ended with nothing; a shard still away keeps its fragments
+            # at the versions this learner has.
+            self.shard_rejoins.try_rejoin(now=True)
+        self.sync.load_globals(keep=self.client.away())
 
     def close(self) -> None:
         """Stop heartbeats and syncs, leave the run, and record the totals in `progress`."""
@@ -241,6 +244,7 @@ class SyncSession:
             start_step=self.progress.inner_steps,  # push_phase counts inner steps
             push_topk_fraction=cfg.push_topk_fraction,
             push_feedback_decay=cfg.push_feedback_decay,
+            away=self.client.away,
         )
         for replica in replicas:
             if replica.fragment_id not in kept:

@@ -16,7 +16,7 @@ background thread; bench/quality.py uses the in-process aggregator, so both run 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -160,7 +160,7 @@ class SyncStats:
     pull_bytes: int = 0
     peak_sync_bytes: int = 0  # the largest push + pull of one fragment sync
     late_merges: int = 0  # non-blocking: merged after the merge point, on arrival
-    skipped_pushes: int = 0  # non-blocking: the fragment's previous sync was still out
+    skipped_pushes: int = 0  # previous sync still out (non-blocking), or the shard away
 
 
 class StreamingSync:
@@ -179,11 +179,14 @@ class StreamingSync:
         start_step: int = 0,
         push_topk_fraction: float = DEFAULT_TOPK_FRACTION,
         push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY,
+        away: Callable[[], Collection[int]] = frozenset,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
         Otherwise (quorum, async) keep training and merge on arrival. A sparse `push_codec`
         keeps `push_topk_fraction` of every chunk and feeds back what it leaves out, its
-        residual decayed by `push_feedback_decay` before each push."""
+        residual decayed by `push_feedback_decay` before each push. `away()`: the fragments
+        whose shard does not know the session now (ShardedClient.away); their pushes are
+        skipped, so that nothing waits for them, until the shard is joined again."""
         if not 0 <= merge_alpha <= 1:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
         self.params = list(params)
@@ -199,6 +202,7 @@ class StreamingSync:
         self.merge_alpha = merge_alpha
         self.tokens_per_step = tokens_per_step
         self.blocking = blocking
+        self.away = away
         self.stats = SyncStats()
         # fragment -> (handle, push bytes, the step after which it is due for merging)
         self._in_flight: dict[int, tuple[Any, int, int]] = {}
@@ -216,11 +220,20 @@ class StreamingSync:
         than its own steps (dynamic local updates); a push then reports the real steps and
         tokens since the fragment's last push. Without it, schedule steps are inner steps.
         """
-        for p in self.schedule.pushes_at(step):
+        due = self.schedule.pushes_at(step)
+        away = self.away() if due else ()
+        for p in due:
             if p in self._in_flight:
                 # Non-blocking only: the last sync is still out. Keep training; the next
                 # push carries the steps of both (and counts their tokens).
                 self.stats.skipped_pushes += 1
+                continue
+            clock = step if inner_step is None else inner_step
+            if p in away:
+                # Its shard would answer NOT_FOUND, or not at all. These steps are not
+                # claimed later: the shard's rejoin replaces the fragment's local values.
+                self.stats.skipped_pushes += 1
+                self._last_push_step[p] = clock
                 continue
             replica = self.replicas[p]
             with torch.no_grad():
@@ -231,7 +244,6 @@ class StreamingSync:
                     g.to(x.device) - x.detach() for g, x in zip(replica.params, local, strict=True)
                 ]
             payload = self._encode_push(p, deltas)
-            clock = step if inner_step is None else inner_step
             steps = clock - self._last_push_step[p]
             self._last_push_step[p] = clock
             handle = self.transport.start_sync(
@@ -288,8 +300,10 @@ class StreamingSync:
         if not keep_local:
             merge(self.local(replica), replica.params, alpha=0.0)
 
-    def load_globals(self) -> None:
-        """Set the local parameters to the global replicas exactly (at start or re-sync)."""
+    def load_globals(self, keep: Collection[int] = ()) -> None:
+        """Set the local parameters to the global replicas exactly (at start or re-sync),
+        but for the fragments in `keep` (their shard is away: no global value to take)."""
         for replica in self.replicas:
-            merge(self.local(replica), replica.params, alpha=0.0)
+            if replica.fragment_id not in keep:
+                merge(self.local(replica), replica.params, alpha=0.0)
         self._in_flight.clear()

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import grpc
+import pytest
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import wait_until
@@ -23,9 +24,11 @@ SHARDS = 3
 WAIT_S = 240.0
 
 
-def start_shard(tmp_path: Path, index: int, name: str, port: int = 0) -> Daemon:
+def start_shard(
+    tmp_path: Path, index: int, name: str, port: int = 0, mode: str = "quorum"
+) -> Daemon:
     flags = ["--shard-index", str(index), "--shard-count", str(SHARDS)]
-    flags += ["--fragments", "3", "--layout", "balanced", "--mode", "quorum", "--lease-s", "10"]
+    flags += ["--fragments", "3", "--layout", "balanced", "--mode", mode, "--lease-s", "10"]
     flags += ["--state-dir", str(tmp_path / f"state-{index}")]
     return server_process(tmp_path, name, *flags, port=port)
 
@@ -143,8 +146,11 @@ def test_three_shards_two_learners_kill_9_of_one_shard(tmp_path) -> None:
     assert summaries["a"]["rejoins"] >= 1 and summaries["b"]["rejoins"] >= 1  # caught up
 
 
-def test_a_learner_started_while_a_shard_is_down_joins_it_when_it_comes_up(tmp_path) -> None:
-    shards = [start_shard(tmp_path, i, f"shard-{i}") for i in range(SHARDS)]
+@pytest.mark.parametrize("mode", ["quorum", "sync"])  # sync: merges wait, but not for it
+def test_a_learner_started_while_a_shard_is_down_joins_it_when_it_comes_up(
+    tmp_path, mode: str
+) -> None:
+    shards = [start_shard(tmp_path, i, f"shard-{i}", mode=mode) for i in range(SHARDS)]
     ports = [shard.port for shard in shards]
     addresses = ",".join(f"127.0.0.1:{port}" for port in ports)
     shards[2].stop(30)  # down before any learner has joined it
@@ -158,7 +164,7 @@ def test_a_learner_started_while_a_shard_is_down_joins_it_when_it_comes_up(tmp_p
         wait_versions_beyond(live_ports, all_versions(live_ports), 2, "the live shards' rounds")
         assert learner.running() and not shards[2].running()
 
-        shards[2] = start_shard(tmp_path, 2, "shard-2-late", port=ports[2])
+        shards[2] = start_shard(tmp_path, 2, "shard-2-late", port=ports[2], mode=mode)
         wait_until(lambda: pushed_since_start(ports[2]) == {"a"}, WAIT_S, "the late shard joined")
         (late_fid, (version, _)) = next(iter(shard_fragments(ports[2]).items()))
         wait_versions_beyond([ports[2]], {late_fid: version}, 2, "the late shard's rounds")

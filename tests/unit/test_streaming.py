@@ -162,6 +162,39 @@ def test_non_blocking_sync_keeps_training_and_merges_on_arrival() -> None:
     assert transport.log == [("push", 0, 0), ("merge", 1)]
 
 
+def test_a_fragment_whose_shard_is_away_is_not_pushed_nor_waited_for() -> None:
+    params = [torch.zeros(2), torch.zeros(2)]
+    replicas = [FragmentReplica(f, [f], [(2,)]) for f in (0, 1)]
+    for r in replicas:
+        r.params, r.version = [torch.zeros(2)], 0
+    transport = EchoTransport(replicas)
+    away = {1}
+    sync = StreamingSync(
+        params,
+        replicas,
+        Schedule(2, 2, overlap_steps=1),
+        transport,
+        push_codec="fp32",
+        tokens_per_step=10,
+        blocking=True,  # sync mode: a merge would wait for a push that was sent
+        away=lambda: away,
+    )
+    for step in range(1, 5):
+        with torch.no_grad():
+            for p in params:
+                p.add_(1.0)
+        sync.push_phase(step)
+        sync.merge_phase(step)
+    # Fragment 1 (due after steps 1 and 3) never reached the transport; fragment 0 synced.
+    assert transport.log == [("push", 0, 20), ("merge", 1), ("push", 0, 20)]
+    assert sync.stats.skipped_pushes == 2 and params[1].tolist() == [4.0, 4.0]
+    sync.load_globals(keep={1})  # the end of a run with the shard still away
+    assert params[0].tolist() == [2.0, 2.0] and params[1].tolist() == [4.0, 4.0]
+    away.clear()  # its shard joined again: the next push claims only the steps since
+    sync.push_phase(5)
+    assert transport.log[-1] == ("push", 1, 20)
+
+
 def test_a_learner_starting_mid_schedule_claims_only_its_own_steps() -> None:
     params = [torch.zeros(2)]
     replica = FragmentReplica(0, [0], [(2,)])
