@@ -188,6 +188,12 @@ class DilocoSync:
         return self.session.heartbeat.server_versions
 
     @property
+    def shards_away(self) -> int:
+        """Shards (of N > 1) that do not know this learner's session now: down, restarted
+        and not joined again yet, or never reached. Their fragments do not sync meanwhile."""
+        return len(self.session.client.lost_shards())
+
+    @property
     def stats(self) -> SyncStats | None:
         """Counters of the fragment syncs since the last join; None before the first."""
         sync = self.session.sync

@@ -63,6 +63,12 @@ class _LearnerCollector(Collector):
             "Validation loss of the global parameters at the last outer step.",
             value=last_eval,
         )
+        yield GaugeMetricFamily(
+            "diloco_learner_shards_away",
+            "Aggregator shards that do not know this learner's session now (down, restarted, "
+            "or never reached); their fragments do not sync until they are joined again.",
+            value=self.sync.shards_away,
+        )
         versions = GaugeMetricFamily(
             "diloco_learner_fragment_version",
             "Version of the learner's replica of each global fragment.",

@@ -17,7 +17,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import wait_until
 from deploy.launcher import Daemon
 from learner.client import AggregatorClient
-from tests.support.processes import learner_log, learner_process, server_process
+from tests.support.processes import learner_log, learner_process, metric, server_process
 
 SHARDS = 3
 # Generous bounds: the machine may be busy; each wait ends as soon as its outcome holds.
@@ -157,17 +157,21 @@ def test_a_learner_started_while_a_shard_is_down_joins_it_when_it_comes_up(
     flags = ["--server", addresses, "--summary-file", str(tmp_path / "a.json")]
     learner = None
     try:
-        learner = learner_process(tmp_path, ports[0], "a", *flags, "--max-outer-steps", "1000000")
+        learner = learner_process(
+            tmp_path, ports[0], "a", *flags, "--max-outer-steps", "1000000", metrics=True
+        )
         live_ports = ports[:2]
         wait_until(lambda: all(pushed_since_start(p) == {"a"} for p in live_ports), WAIT_S,
                    "the learner syncing with the live shards")  # fmt: skip
         wait_versions_beyond(live_ports, all_versions(live_ports), 2, "the live shards' rounds")
         assert learner.running() and not shards[2].running()
+        assert metric(learner, "diloco_learner_shards_away") == 1
 
         shards[2] = start_shard(tmp_path, 2, "shard-2-late", port=ports[2], mode=mode)
         wait_until(lambda: pushed_since_start(ports[2]) == {"a"}, WAIT_S, "the late shard joined")
         (late_fid, (version, _)) = next(iter(shard_fragments(ports[2]).items()))
         wait_versions_beyond([ports[2]], {late_fid: version}, 2, "the late shard's rounds")
+        assert metric(learner, "diloco_learner_shards_away") == 0
         assert learner.stop(60) == 0, learner_log(tmp_path, "a")
     finally:
         if learner is not None:

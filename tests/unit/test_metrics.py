@@ -123,6 +123,7 @@ def learner_exposition() -> str:
         traffic=Traffic(),
         versions=[3],
         server_versions=[5],
+        shards_away=1,
     )
     return generate_latest(learner_registry(sync)).decode()
 
@@ -134,6 +135,7 @@ def test_learner_metrics_read_its_state() -> None:
     assert "diloco_learner_sync_blocked_seconds_total 1.5" in text
     assert 'diloco_learner_replica_staleness_versions{fragment="0"} 2.0' in text
     assert 'diloco_learner_info{learner_id="a"} 1.0' in text
+    assert "diloco_learner_shards_away 1.0" in text
 
 
 def test_dashboard_uses_only_metrics_the_code_exports() -> None:
