@@ -10,7 +10,8 @@ recipe, --codec at H = --h) at each of --inner-lrs, seed 0; prints each run's ev
 the best lr of each, which bench/quality.py's DP_LR and INNER_LR hold. `trend`: data-parallel
 and the given codec rows at --steps-list, to show whether the gap at fixed H shrinks as outer
 steps accumulate. Both share bench/results/quality_runs.json (finished runs are reused) and
-write bench/results/quality_sweep.json.
+write bench/results/quality_sweep.json. `--n-embd 128 --out bench/results/quality_0.9M`
+sweeps the 0.9 M-parameter model beside `bench/quality.py --n-embd 128`'s runs there.
 """
 
 from __future__ import annotations
@@ -87,13 +88,16 @@ def main() -> int:
     parser.add_argument("--dp-lr", type=float, default=2e-3, help="trend: data-parallel's lr")
     parser.add_argument("--inner-lr", type=float, default=2e-3, help="trend: the learners' lr")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cache", default="quality_runs.json", help="file of runs, in --out")
     args = parser.parse_args()
     rows = lr_rows(args) if args.what == "lr" else trend_rows(args)
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_rows(rows, args.out / args.cache, args.workers)
+    results = run_rows(rows, args.out / args.cache, args.workers, n_embd=args.n_embd)
     table = []
     for row in rows:
         r = results[row]
