@@ -121,9 +121,14 @@ class AggregatorClient:
     ) -> pb.HeartbeatResponse:
         return self._unary(self._stub.Heartbeat, request, timeout_s)
 
-    def describe_shards(self) -> pb.DescribeShardsResponse:
-        """The server's place in the shard map, and where the other shards are."""
-        return self._unary(self._stub.DescribeShards, pb.DescribeShardsRequest())
+    def describe_shards(
+        self, timeout_s: float = UNARY_TIMEOUT_S, wait_for_ready: bool = False
+    ) -> pb.DescribeShardsResponse:
+        """The server's place in the shard map, and where the other shards are;
+        `wait_for_ready`: wait up to `timeout_s` for the channel to connect, rather than
+        fail at once while it cannot."""
+        request = pb.DescribeShardsRequest()
+        return self._unary(self._stub.DescribeShards, request, timeout_s, wait_for_ready)
 
     def status(self) -> pb.StatusResponse:
         """What the server sees now (diloco-status)."""
@@ -132,7 +137,11 @@ class AggregatorClient:
     def leave(self, session_id: str) -> None:
         self._unary(self._stub.Leave, pb.LeaveRequest(session_id=session_id))
 
-    def _unary(self, method, request, timeout_s: float = UNARY_TIMEOUT_S):
-        response = method(request, timeout=timeout_s, metadata=self._metadata)
+    def _unary(
+        self, method, request, timeout_s: float = UNARY_TIMEOUT_S, wait_for_ready: bool = False
+    ):
+        response = method(
+            request, timeout=timeout_s, metadata=self._metadata, wait_for_ready=wait_for_ready
+        )
         self.traffic.count(sent=request.ByteSize(), received=response.ByteSize())
         return response

@@ -33,21 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("diloco.learner")
 
-# How long a rejoin waits for a lost shard's channel to connect before it tries again later:
-# a shard whose address drops packets would otherwise hold the training thread for the
-# join's whole deadline at every try. The channel keeps connecting between tries.
-CONNECT_PROBE_S = 0.5
-
-
-class NotConnected(grpc.RpcError):
-    """The shard's channel has not connected (yet): retried like UNAVAILABLE."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return f"no connection within {CONNECT_PROBE_S:g} s"
-
 
 class ShardRejoins:
     """Rejoins the session's lost shards; runs on the training thread, like every join."""
@@ -55,7 +40,6 @@ class ShardRejoins:
     def __init__(self, session: SyncSession) -> None:
         self.session = session
         self._gate = RetryGate()
-        self._probes: dict[int, grpc.Future] = {}  # per lost shard: its channel connected
 
     def try_rejoin(self, now: bool = False) -> bool:
         """Join each lost shard again; True if local parameters changed. A shard that cannot
@@ -90,21 +74,8 @@ class ShardRejoins:
             )
         return changed
 
-    def _connected(self, shard: int) -> None:
-        """Return once the shard's channel is connected, or raise NotConnected after
-        CONNECT_PROBE_S; the probe lives on between tries, so the channel keeps trying."""
-        probe = self._probes.get(shard)
-        if probe is None:
-            probe = self._probes[shard] = self.session.client.shards()[shard].ready_future()
-        try:
-            probe.result(timeout=CONNECT_PROBE_S)
-        except grpc.FutureTimeoutError:
-            raise NotConnected() from None
-        del self._probes[shard]
-
     def _rejoin(self, shard: int) -> bool:
         """Join the shard and reload its fragments; True if local parameters changed."""
-        self._connected(shard)
         session, client = self.session, self.session.client
         sync = session.sync
         if sync is None:

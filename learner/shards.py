@@ -40,9 +40,10 @@ from common.retry import is_retryable
 from common.traffic import Traffic
 from learner.client import AggregatorClient
 from learner.heartbeat import Membership
+from learner.shard_map import ShardMapError, check_shard, version_in
 from learner.shard_sessions import SEP, ShardSessions, session_of
 
-__all__ = ["SEP", "ShardMapError", "ShardedClient"]
+__all__ = ["SEP", "NotConnected", "ShardMapError", "ShardedClient"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -50,10 +51,21 @@ log = logging.getLogger("diloco.learner")
 # goes on without them (they are joined when they answer: learner/rejoin.py).
 ABSENT_GRACE_S = 10.0
 _READY_POLL_S = 0.05
+# How long a join (N > 1) waits for a shard to answer a DescribeShards before it counts the
+# shard as away: an address that drops packets would otherwise hold the learner (its
+# training thread, at a rejoin) for gRPC's connect timeout (20 s) at every try. Longer than
+# the channels' reconnect backoff (at most 2 s, common/rpc.py): a shard that is back answers.
+CONNECT_PROBE_S = 2.5
 
 
-class ShardMapError(ValueError):
-    """The shards disagree with each other or with the learner's list of them."""
+class NotConnected(grpc.RpcError):
+    """The shard did not answer within CONNECT_PROBE_S: retried like UNAVAILABLE."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return f"no answer within {CONNECT_PROBE_S:g} s"
 
 
 class ShardedClient:
@@ -200,7 +212,7 @@ class ShardedClient:
             owner = replies[self._owners[fragment.fragment_id]]
             # A fragment whose owner is away stays at -1 until that shard is joined.
             fragment.version = (
-                -1 if owner is None else _version_in(owner.fragments, fragment.fragment_id)
+                -1 if owner is None else version_in(owner.fragments, fragment.fragment_id)
             )
         self._remember(replies, reply.fragments)
         joined = self.sessions.membership()
@@ -221,7 +233,7 @@ class ShardedClient:
         )
         for fid, owner in enumerate(self._owners):
             if owner == shard:
-                self._versions[fid] = _version_in(reply.fragments, fid)
+                self._versions[fid] = version_in(reply.fragments, fid)
         self.sessions.joined(shard, reply)
         return reply
 
@@ -314,6 +326,7 @@ class ShardedClient:
         self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens: int
     ) -> pb.JoinResponse:
         try:
+            self._probe(shard)
             return self._clients[shard].join(learner_id, fingerprint, tokens)
         except grpc.RpcError as err:
             if is_retryable(err):
@@ -322,6 +335,16 @@ class ShardedClient:
                 f"shard {shard} at {self.addresses[shard]} refused the join: "
                 f"{err.code().name}: {err.details()}"
             ) from err
+
+    def _probe(self, shard: int) -> None:
+        """Return if the shard answers a DescribeShards within CONNECT_PROBE_S (its channel
+        may connect meanwhile: a shard that is back does), else NotConnected."""
+        try:
+            self._clients[shard].describe_shards(CONNECT_PROBE_S, wait_for_ready=True)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise NotConnected() from None
+            raise
 
     def _remember(
         self, replies: Sequence[pb.JoinResponse | None], fragments: Sequence[pb.FragmentLayout]
@@ -353,39 +376,3 @@ class ShardedClient:
             median_step_time_s=first.median_step_time_s,
             schedule_step=first.schedule_step,
         )
-
-
-def check_shard(
-    reply: pb.JoinResponse,
-    shard: int,
-    address: str,
-    shard_count: int,
-    first: pb.JoinResponse,
-    first_shard: int = 0,
-) -> None:
-    """ShardMapError, naming the shard, unless its join reply says it is shard `shard` of
-    `shard_count` with the map id and mode of `first` (shard `first_shard`'s reply)."""
-    where = f"shard {shard} at {address}"
-    if reply.shard_count != shard_count:
-        raise ShardMapError(
-            f"{where} is one of {max(1, reply.shard_count)} shards, but --server lists "
-            f"{shard_count}: list every shard of the run, in index order"
-        )
-    if reply.shard_index != shard:
-        raise ShardMapError(f"{where} is shard {reply.shard_index}: list the shards in index order")
-    if reply.map_id != first.map_id:
-        raise ShardMapError(
-            f"{where} has shard map {reply.map_id}, shard {first_shard} has {first.map_id}: "
-            f"the shards disagree on the fingerprint, fragments, layout or shard count"
-        )
-    if reply.mode != first.mode:
-        raise ShardMapError(
-            f"{where} runs mode {reply.mode}, shard {first_shard} runs {first.mode}"
-        )
-
-
-def _version_in(fragments: Sequence[pb.FragmentLayout], fragment_id: int) -> int:
-    for fragment in fragments:
-        if fragment.fragment_id == fragment_id:
-            return fragment.version
-    raise ShardMapError(f"fragment {fragment_id} is missing from its owner's layout")

@@ -4,6 +4,9 @@ diloco-status over every shard."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 import grpc
 import pytest
 import torch
@@ -12,7 +15,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import encode_fragment
 from deploy import status
 from learner.client import AggregatorClient
-from learner.shards import SEP, ShardedClient, ShardMapError
+from learner.shards import SEP, NotConnected, ShardedClient, ShardMapError
 from server.export_state import merge, read_state_params
 from tests.support.processes import learner_process
 
@@ -219,6 +222,24 @@ def test_a_shard_away_at_the_first_join_is_joined_when_it_answers(start_service)
     initialize(client, session, 1)
     assert client.pull(session, 1, -1)[0].version == 0
     client.close()
+
+
+def test_a_shard_that_never_answers_the_handshake_costs_a_short_probe(start_service) -> None:
+    shards = start_shards(start_service, count=2)
+    port = shards[1].port
+    shards[1].stop(grace_s=0)
+    # Its port taken by a listener that never accepts: TCP connects, gRPC's handshake never
+    # ends, as behind a firewall that drops packets. A join's RPC waited 20 s for it here.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", port))
+        silent.listen(8)
+        client = ShardedClient([address(shards[0]), f"127.0.0.1:{port}"])
+        started = time.monotonic()
+        client.join("l0", FINGERPRINT)
+        assert client.lost_shards() == {1} and time.monotonic() - started < 10
+        with pytest.raises(NotConnected):
+            client.join_shard(1, "l0", FINGERPRINT)
+        client.close()
 
 
 def test_a_join_no_shard_answers_fails_with_the_shards_error(start_service) -> None:

@@ -1,16 +1,13 @@
 """A learner's rejoin of the shards that lost its session: one shard that is away holds up
-no other's rejoin, its next try waits for the backoff, and a shard whose channel does not
-connect costs a short probe, not a join's deadline."""
+no other's rejoin, and its next try waits for the backoff."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import grpc
-import pytest
 
-from common.retry import is_retryable
-from learner.rejoin import NotConnected, ShardRejoins
+from learner.rejoin import ShardRejoins
 
 
 class Unavailable(grpc.RpcError):
@@ -44,36 +41,3 @@ def test_a_shard_that_is_away_holds_up_no_other_shards_rejoin() -> None:
     assert tried == [0, 2] and sessions.lost == {0}
     assert rejoins.try_rejoin() is False and tried == [0, 2]  # shard 0 waits for the backoff
     assert rejoins.try_rejoin(now=True) is False and tried == [0, 2, 0]  # unless asked now
-
-
-class Probe:
-    """A channel-ready future that is done once `connected` is set."""
-
-    def __init__(self, channel: SimpleNamespace) -> None:
-        self.channel = channel
-
-    def result(self, timeout: float) -> None:
-        if not self.channel.connected:
-            raise grpc.FutureTimeoutError()
-
-
-def test_a_shard_whose_channel_does_not_connect_costs_a_short_probe_not_a_join() -> None:
-    channel = SimpleNamespace(connected=False, probes=0)
-
-    def ready_future() -> Probe:
-        channel.probes += 1
-        return Probe(channel)
-
-    shard = SimpleNamespace(ready_future=ready_future)
-    client = SimpleNamespace(shards=lambda: [shard])
-    rejoins = ShardRejoins(SimpleNamespace(client=client, learner_id="l0"))
-    with pytest.raises(NotConnected) as away:
-        rejoins._connected(0)
-    assert is_retryable(away.value)  # tried again after the backoff, as a shard that is down
-    with pytest.raises(NotConnected):
-        rejoins._connected(0)
-    assert channel.probes == 1  # one probe, kept: the channel goes on connecting meanwhile
-    channel.connected = True
-    rejoins._connected(0)  # then the join goes ahead
-    rejoins._connected(0)
-    assert channel.probes == 2  # a later loss of the shard probes afresh
