@@ -2,6 +2,8 @@
 
     python bench/quality.py            # full run: 9 runs, an estimated 26 min on 2 idle cores
     python bench/quality.py --quick    # shortened (<= 5 min): quality_quick.json, no plots
+    python bench/quality.py --n-embd 128 --seeds 0 --dp-lr 1e-3 --inner-lr 1e-3 \
+        --out bench/results/quality_0.9M   # the 0.9 M model at its own sweep's best lrs
 
 Same model, data, K = 4 learners and total tokens for data-parallel (gradients averaged every
 step, counted as a ring all-reduce of fp32 gradients) at its best learning rate and for
@@ -206,6 +208,12 @@ def main() -> int:
         "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
     )
     parser.add_argument(
+        "--dp-lr", type=float, default=DP_LR, help="data-parallel's lr (its sweep's best)"
+    )
+    parser.add_argument(
+        "--inner-lr", type=float, default=INNER_LR, help="the learners' lr (its sweep's best)"
+    )
+    parser.add_argument(
         "--lr-schedule",
         choices=["cosine", "constant"],
         default="constant",
@@ -215,11 +223,13 @@ def main() -> int:
     args = parser.parse_args()
     steps = 150 if args.quick else 1000
     rows = [
-        Row(codec, h=h, topk=topk, lr=INNER_LR, steps=steps, seed=seed)
+        Row(codec, h=h, topk=topk, lr=args.inner_lr, steps=steps, seed=seed)
         for seed in args.seeds
         for codec, h, topk in [("dp", 0, 0.0)] + (args.rows or (QUICK if args.quick else HEADLINE))
     ]
-    rows = [Row("dp", lr=DP_LR, steps=steps, seed=r.seed) if r.codec == "dp" else r for r in rows]
+    rows = [
+        Row("dp", lr=args.dp_lr, steps=steps, seed=r.seed) if r.codec == "dp" else r for r in rows
+    ]
     print(f"{len(rows)} runs of {steps} steps, seeds {args.seeds}", flush=True)
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -231,8 +241,8 @@ def main() -> int:
     verdicts = check(entries)
     print("\n" + "\n".join(verdicts))
     report = {
-        "setup": {**vars(rows[0].setup(args.quick, **setup_kw)), "inner_lr": INNER_LR},
-        "dp_lr": DP_LR,
+        "setup": {**vars(rows[0].setup(args.quick, **setup_kw)), "inner_lr": args.inner_lr},
+        "dp_lr": args.dp_lr,
         "quick": args.quick,
         "variants": entries,
         "checks": verdicts,
