@@ -1,6 +1,6 @@
 """The shard map a learner's joins must agree on (docs/architecture.md, Sharding).
 
-    check_shard(reply, shard, address, shard_count, first, first_shard)  # or ShardMapError
+    check_shard(reply, shard, address, shard_count, first)  # or ShardMapError
     version = version_in(reply.fragments, fragment_id)
 
 Every shard's join reply names its index, the shard count, the map id (a hash of the
@@ -25,10 +25,10 @@ def check_shard(
     address: str,
     shard_count: int,
     first: pb.JoinResponse,
-    first_shard: int = 0,
 ) -> None:
     """ShardMapError, naming the shard, unless its join reply says it is shard `shard` of
-    `shard_count` with the map id and mode of `first` (shard `first_shard`'s reply)."""
+    `shard_count` with the map id and mode of `first` (the reply of the first shard that
+    answered, already checked: its shard_index is its place in the list)."""
     where = f"shard {shard} at {address}"
     if reply.shard_count != shard_count:
         raise ShardMapError(
@@ -39,12 +39,12 @@ def check_shard(
         raise ShardMapError(f"{where} is shard {reply.shard_index}: list the shards in index order")
     if reply.map_id != first.map_id:
         raise ShardMapError(
-            f"{where} has shard map {reply.map_id}, shard {first_shard} has {first.map_id}: "
+            f"{where} has shard map {reply.map_id}, shard {first.shard_index} has {first.map_id}: "
             f"the shards disagree on the fingerprint, fragments, layout or shard count"
         )
     if reply.mode != first.mode:
         raise ShardMapError(
-            f"{where} runs mode {reply.mode}, shard {first_shard} runs {first.mode}"
+            f"{where} runs mode {reply.mode}, shard {first.shard_index} runs {first.mode}"
         )
 
 

@@ -91,7 +91,6 @@ class ShardedClient:
         self._versions: list[int] = []  # last known version of each fragment
         # The join reply of the first shard that answered the last join: the map to agree on.
         self._map: pb.JoinResponse | None = None
-        self._map_shard = 0
         self.sessions = ShardSessions()
 
     @property
@@ -199,11 +198,9 @@ class ShardedClient:
         answered = [shard for shard, r in enumerate(replies) if r is not None]
         if not answered:
             raise unreachable  # type: ignore[misc]  # every shard raised
-        self._map_shard = answered[0]
-        self._map = first = replies[self._map_shard]
-        for shard in answered:
-            check_shard(replies[shard], shard, self.addresses[shard], self.shard_count,
-                        first, self._map_shard)  # fmt: skip
+        self._map = first = replies[answered[0]]
+        for shard in answered:  # the first against itself first: its index, N
+            check_shard(replies[shard], shard, self.addresses[shard], self.shard_count, first)
         self._owners = list(first.fragment_owners)
         reply = pb.JoinResponse()
         reply.CopyFrom(first)
@@ -228,9 +225,7 @@ class ShardedClient:
         if self._map is None:
             raise RuntimeError("join_shard() before the first join")
         reply = self._join_shard(shard, learner_id, fingerprint, tokens)
-        check_shard(
-            reply, shard, self.addresses[shard], self.shard_count, self._map, self._map_shard
-        )
+        check_shard(reply, shard, self.addresses[shard], self.shard_count, self._map)
         for fid, owner in enumerate(self._owners):
             if owner == shard:
                 self._versions[fid] = version_in(reply.fragments, fid)
