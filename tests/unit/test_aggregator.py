@@ -21,7 +21,12 @@ def make(n_learners: int, **config) -> tuple[Aggregator, list[str], FakeClock]:
 
 def test_outer_step_matches_torch_sgd_nesterov_on_mean_of_different_deltas() -> None:
     agg, sessions, _ = make(
-        3, outer_lr=0.7, outer_momentum=0.9, outer_momentum_warmup_rounds=0, pull_codec="fp32"
+        3,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        outer_momentum_warmup_rounds=0,
+        pull_codec="fp32",
+        outer_state_dtype="float32",
     )
     reference = [torch.nn.Parameter(t.clone()) for t in tensors(0)]
     sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
@@ -43,7 +48,8 @@ def test_outer_momentum_warmup_is_torch_sgd_with_a_rising_momentum() -> None:
     """Momentum 0.5, 0.6, 0.7, 0.8, then 0.9 from the fifth step on, exactly as torch's SGD
     given that momentum at each step."""
     warm = {"outer_momentum_warmup_rounds": 4, "outer_momentum_warmup_start": 0.5}
-    agg, sessions, _ = make(2, outer_lr=0.7, outer_momentum=0.9, pull_codec="fp32", **warm)
+    exact = {"pull_codec": "fp32", "outer_state_dtype": "float32"}
+    agg, sessions, _ = make(2, outer_lr=0.7, outer_momentum=0.9, **exact, **warm)
     reference = [torch.nn.Parameter(t.clone()) for t in tensors(0)]
     sgd = torch.optim.SGD(reference, lr=0.7, momentum=0.9, nesterov=True)
     for rnd in range(7):

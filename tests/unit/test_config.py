@@ -286,6 +286,23 @@ def test_sparse_pulls_default_to_the_plain_outer_step_and_pushes_to_a_decayed_re
         build_config(LearnerConfig, {"push_feedback_decay": 1.5})
 
 
+def test_the_outer_state_is_bfloat16_by_default_only_where_that_was_measured() -> None:
+    """Sync and quorum modes with dense pulls keep the outer state in bfloat16; async mode,
+    sparse pulls and the paper recipe keep float32 (torch's SGD exactly); a given value wins,
+    and bfloat16 given in async mode is still refused."""
+
+    def dtype(**values: object) -> str:
+        return build_config(AggregatorConfig, values).outer.outer_state_dtype
+
+    assert dtype() == dtype(mode="quorum") == dtype(pull_codec="fp32") == "bfloat16"
+    assert dtype(mode="async") == dtype(recipe="paper") == "float32"
+    assert dtype(pull_codec="sparse_2bit") == dtype(pull_codec="sparse_fp4") == "float32"
+    assert dtype(recipe="paper", outer_state_dtype="bfloat16") == "bfloat16"
+    assert dtype(outer_state_dtype="float32") == "float32"
+    with pytest.raises(ValueError, match="outer_state_dtype bfloat16 is for sync and quorum"):
+        dtype(mode="async", outer_state_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("cls", [LearnerConfig, AggregatorConfig])
 def test_an_unknown_recipe_is_refused(cls: type) -> None:
     with pytest.raises(ValueError, match="recipe must be one of best, paper, got 'fast'"):
