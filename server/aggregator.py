@@ -184,6 +184,11 @@ class Aggregator:
         with self._cond:
             return self._params.shard_map, self._params.owned(crc)
 
+    def owned_shapes(self) -> list[list[tuple[int, ...]]]:
+        """GlobalParams.owned_shapes."""
+        with self._cond:
+            return self._params.owned_shapes()
+
     def live_learners(self) -> list[str]:
         with self._cond:
             return sorted(s.learner_id for s in self._members.live())

@@ -74,7 +74,8 @@ class AggregatorService:
             interceptors=tuple(i for i in chain if i is not None),
             max_concurrent_streams=limits.max_concurrent_streams,
         )
-        budget = PushBudget(int(limits.push_memory_budget_mb * 2**20), limits.push_budget_wait_s)
+        mb = limits.push_memory_budget_mb
+        budget = PushBudget(int(mb * 2**20) if mb else None, limits.push_budget_wait_s)
         self.servicer = AggregatorServicer(self.aggregator, push_budget=budget)
         self.metrics.watch(self.aggregator, self.servicer, self.rate_limit, self.in_flight)
         self.metrics.watch_cuts(self.deadlines, self.auth)

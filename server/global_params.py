@@ -106,6 +106,14 @@ class GlobalParams:
         """(fragment_id, parameter indices, version) of every fragment."""
         return [(f.fragment_id, f.param_indices, f.version) for f in self.fragments]
 
+    def owned_shapes(self) -> list[list[tuple[int, ...]]]:
+        """The tensor shapes of each fragment this shard owns (none before a fingerprint)."""
+        return [
+            list(f.shapes)
+            for f in self.fragments
+            if self.shard_map is None or self.shard_map.owns(f.fragment_id)
+        ]
+
     def _build(self, specs: list[ParamSpec]) -> list[FragmentState]:
         cfg = self._streaming
         numels = [math.prod(spec.shape) for spec in specs]

@@ -199,6 +199,12 @@ class _CallsCollector(Collector):
             "kept for reuse.",
             value=budget.reserved_bytes(),
         )
+        yield GaugeMetricFamily(
+            "diloco_server_push_memory_budget_bytes",
+            "The push memory budget in bytes (push_memory_budget_mb, or the size chosen for "
+            "the owned fragments; 0 until the model is known).",
+            value=budget.budget_bytes or 0,
+        )
         yield CounterMetricFamily(
             "diloco_server_push_memory_refused_calls",
             "Pushes refused because push_memory_budget_mb stayed full for push_budget_wait_s.",

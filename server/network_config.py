@@ -71,11 +71,13 @@ class LimitsConfig:
     """Calls one learner may have open at the same time (0: no limit). Each open call holds
     one of the server's worker threads (a long-poll for up to a minute), so this stops a
     few learners from starving the rest; our learners have at most three open at once."""
-    push_memory_budget_mb: float = 256.0
+    push_memory_budget_mb: float = 0.0
     """Push payload bytes the server holds at once, all pushes together: a push's announced
-    size is reserved before its payload is read (server/receive.py). A fragment's initial
-    fp32 values larger than this are received alone; other pushes must fit (fp32 deltas of
-    a big fragment need a budget of at least its fp32 bytes)."""
+    size is reserved before its payload is read (server/receive.py). 0: sized to the
+    fragments the shard owns, a quarter of their fp32 bytes within 64-256 MiB and at least
+    two fp4 pushes of the largest. A fragment's initial fp32 values larger than this are
+    received alone; other pushes must fit (fp32 deltas of a big fragment need a budget of
+    at least its fp32 bytes)."""
     push_budget_wait_s: float = 0.0
     """How long a push waits for room in push_memory_budget_mb before it is refused with
     RESOURCE_EXHAUSTED and a retry hint (learners retry it). 0: refused at once. A waiting
@@ -98,8 +100,16 @@ class LimitsConfig:
             raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
         if self.max_calls_in_flight < 0:
             raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
-        if not self.push_memory_budget_mb > 0:
-            raise ValueError(f"push_memory_budget_mb must be > 0, got {self.push_memory_budget_mb}")
+        if not self.push_memory_budget_mb >= 0:
+            raise ValueError(
+                f"push_memory_budget_mb must be >= 0 (0: sized to the owned fragments), "
+                f"got {self.push_memory_budget_mb}"
+            )
+        if 0 < self.push_memory_budget_mb * 2**20 < 1:
+            raise ValueError(
+                f"push_memory_budget_mb must be 0 or at least one byte, "
+                f"got {self.push_memory_budget_mb}"
+            )
         if not 0 <= self.push_budget_wait_s <= 3600:
             raise ValueError(f"push_budget_wait_s must be 0 to 3600, got {self.push_budget_wait_s}")
         if self.worker_threads < 1 or self.max_concurrent_streams < 1:

@@ -18,6 +18,10 @@ values (fp32, once per fragment) larger than the whole budget are received alone
 wait while the ones in flight end, so push buffers hold at most the larger of the budget and
 the largest fragment's fp32 bytes. Other pushes larger than the budget are refused.
 
+By default (push_memory_budget_mb 0) the budget is sized to the fragments this shard owns once
+the model is known (auto_budget_bytes): a fixed budget was half a model copy of a shard that
+owns 512 MiB, and it refused every push of a fragment whose fp4 encoding did not fit it.
+
 Buffers are reused: the pool keeps up to `keep` released buffers (the sizes repeat: one per
 fragment and codec), so a push does not fault in fresh pages for its payload every time; a
 kept buffer serves pushes of half its size or more. A cancelled push's buffer is freed, as
@@ -30,19 +34,30 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from common.errors import InvalidArgument, ResourceExhausted
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.wire import max_fragment_bytes
 
-# push_memory_budget_mb's default (server/config.py), for servicers built without a config.
-DEFAULT_PUSH_BUDGET_BYTES = 256 << 20
+# The automatic budget: a quarter of the owned fragments' float32 bytes within these bounds.
+AUTO_MIN_BYTES, AUTO_MAX_BYTES = 64 << 20, 256 << 20
 # A waiting push checks this often whether its caller went away.
 _POLL_S = 0.25
 # How long an initial push larger than the budget waits for the pushes in flight to end
 # (new ones wait meanwhile); they end within the stream deadlines (stream_idle_timeout_s).
 ALONE_WAIT_S = 60.0
+
+
+def auto_budget_bytes(owned: Sequence[Sequence[tuple[int, ...]]]) -> int:
+    """The push memory budget for a shard that owns fragments of these shapes: a quarter of
+    their float32 bytes, between AUTO_MIN_BYTES and AUTO_MAX_BYTES, and at least two fp4
+    pushes of the largest fragment, so that pushes in the default codec always fit."""
+    fp32 = sum(max_fragment_bytes(shapes, pb.CODEC_FP32) for shapes in owned)
+    largest_fp4 = max((max_fragment_bytes(s, pb.CODEC_FP4_E2M1) for s in owned), default=0)
+    return max(min(max(fp32 // 4, AUTO_MIN_BYTES), AUTO_MAX_BYTES), 2 * largest_fp4)
 
 
 class BudgetExhausted(ResourceExhausted):
@@ -52,8 +67,9 @@ class BudgetExhausted(ResourceExhausted):
 class PushBudget:
     """Bytes of push payloads the server may hold at once, and the buffers that hold them."""
 
-    def __init__(self, budget_bytes: int, wait_s: float, keep: int = 4) -> None:
-        if budget_bytes < 1:
+    def __init__(self, budget_bytes: int | None, wait_s: float, keep: int = 4) -> None:
+        """`budget_bytes` None: sized by `fit` (auto_budget_bytes) before the first push."""
+        if budget_bytes is not None and budget_bytes < 1:
             raise ValueError(f"push memory budget must be >= 1 byte, got {budget_bytes}")
         self.budget_bytes, self.wait_s, self._keep = budget_bytes, wait_s, keep
         self._cond = threading.Condition()
@@ -61,6 +77,15 @@ class PushBudget:
         self._free: list[np.ndarray] = []
         self._waiting_alone = 0  # initial pushes larger than the budget, waiting for room
         self.refused = 0  # pushes refused for want of room (for metrics)
+
+    def fit(self, owned_shapes: Callable[[], Sequence[Sequence[tuple[int, ...]]]]) -> None:
+        """Size an automatic budget to the shard's fragments (their shapes, once the model
+        is known); a given budget stays as it is."""
+        if self.budget_bytes is not None:
+            return
+        size = auto_budget_bytes(owned_shapes())
+        with self._cond:
+            self.budget_bytes = size
 
     def reserved_bytes(self) -> int:
         with self._cond:
@@ -76,6 +101,8 @@ class PushBudget:
         is a one-off, freed after; if it is larger than the whole budget it is received
         alone: new pushes wait while it waits (up to ALONE_WAIT_S) for the others to end.
         Any other push larger than the budget is refused at once."""
+        if self.budget_bytes is None:
+            raise RuntimeError("an automatic push memory budget must be fit() before use")
         alone = size > self.budget_bytes
         if alone and not initial:
             raise ResourceExhausted(

@@ -26,7 +26,7 @@ from server.aggregator import Aggregator
 from server.auth import authenticated_learner
 from server.global_params import ParamSpec
 from server.ingest import IngestSlots
-from server.receive import DEFAULT_PUSH_BUDGET_BYTES, BudgetExhausted, PushBudget, receive_into
+from server.receive import BudgetExhausted, PushBudget, receive_into
 from server.status import PushLog, describe_shards, shard_status
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # Two per core: one push can be received while another is decoded.
         self._ingest = IngestSlots(ingest_slots or 2 * (os.cpu_count() or 1))
         # Push payloads are received into buffers reserved from this (server/receive.py).
-        self.push_budget = push_budget or PushBudget(DEFAULT_PUSH_BUDGET_BYTES, 0.0)
+        self.push_budget = push_budget or PushBudget(None, 0.0)
         self._push_results_lock = threading.Lock()
         # Long-polls waiting now (for metrics): a client that goes away ends its wait.
         self._waiting_pulls = 0
@@ -212,6 +212,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # before an ingest slot is taken: a learner on a slow link (or one that trickles on
         # purpose) must not hold up the others' pushes while its bytes arrive.
         gone = lambda: not context.is_active()  # noqa: E731
+        self.push_budget.fit(agg.owned_shapes)  # the model is known once a push is checked
         with self.push_budget.reserve(header.payload_bytes, gone, initial=initial) as buffer:
             payload = receive_into(buffer, pieces)
             # A slot bounds how many payloads are decoded and added at once; a push is added

@@ -13,6 +13,7 @@ from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import retry_after_s, wait_until
 from common.rpc import LEARNER_ID_HEADER, create_channel
 from common.wire import CHUNK_BYTES, chunks, encode_fragment
+from server.receive import auto_budget_bytes
 from tests.support.processes import metric
 
 VALUES = 2 << 20  # an 8 MiB fp32 fragment
@@ -23,6 +24,7 @@ SENT_CHUNKS = 6  # of the 8 an fp32 push of the fragment takes
 BUDGET_MB = 24
 RESERVED = "diloco_server_push_memory_reserved_bytes"
 REFUSED = "diloco_server_push_memory_refused_calls_total"
+BUDGET = "diloco_server_push_memory_budget_bytes"
 
 
 def half_sent(session: str, payload_bytes: int, hold: threading.Event):
@@ -68,6 +70,19 @@ def test_initial_values_larger_than_the_budget_are_received_alone(start_server_p
         assert metric(server, RESERVED) == 0  # the initial values' buffer was freed
         small = encode_fragment([torch.full((VALUES,), 1e-3)], "fp4_e2m1")
         assert push_whole(stub, join.session_id, small).accepted
+
+
+def test_the_default_budget_is_sized_to_the_owned_fragments(start_server_process) -> None:
+    """Without --push-memory-budget-mb the budget is chosen once the model is known: 0 before,
+    the floor of 64 MiB for this 8 MiB fragment after its first push."""
+    server = start_server_process("--mode", "quorum")
+    assert metric(server, BUDGET) == 0
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        join = stub.Join(pb.JoinRequest(learner_id="auto", fingerprint=SPECS), metadata=METADATA)
+        initial = encode_fragment([torch.zeros(VALUES)], "fp32")
+        assert push_whole(stub, join.session_id, initial, initial=True).accepted
+    assert metric(server, BUDGET) == auto_budget_bytes([[(VALUES,)]]) == 64 * 2**20
 
 
 def test_half_sent_pushes_hold_at_most_the_budget(start_server_process) -> None:

@@ -7,8 +7,17 @@ import threading
 import pytest
 
 from common.errors import InvalidArgument, ResourceExhausted
+from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import wait_until
-from server.receive import BudgetExhausted, PushBudget, receive_into
+from common.wire import max_fragment_bytes
+from server.receive import (
+    AUTO_MAX_BYTES,
+    AUTO_MIN_BYTES,
+    BudgetExhausted,
+    PushBudget,
+    auto_budget_bytes,
+    receive_into,
+)
 
 
 def test_reservations_are_bounded_and_returned() -> None:
@@ -100,3 +109,35 @@ def test_one_off_pushes_are_not_kept_and_small_pushes_take_small_buffers() -> No
         assert budget.reserved_bytes() == 140
     with budget.reserve(60):  # the kept 100-byte one fits
         assert budget.reserved_bytes() == 140
+
+
+def test_the_automatic_budget_is_a_quarter_of_the_owned_bytes_within_bounds() -> None:
+    mib = 2**20
+    fp32 = lambda shapes: max_fragment_bytes(shapes, pb.CODEC_FP32)  # noqa: E731
+    fp4 = lambda shapes: max_fragment_bytes(shapes, pb.CODEC_FP4_E2M1)  # noqa: E731
+    small = [[(1024, 1024)], [(1024,)]]  # 4 MiB: the floor
+    assert auto_budget_bytes(small) == AUTO_MIN_BYTES == 64 * mib
+    middle = [[(128 * mib // 4,)], [(256 * mib // 4,)]]  # 384 MiB of fp32: a quarter
+    assert auto_budget_bytes(middle) == (fp32(middle[0]) + fp32(middle[1])) // 4
+    assert AUTO_MIN_BYTES < auto_budget_bytes(middle) < AUTO_MAX_BYTES
+    many = [[(256 * mib // 4,)]] * 16  # 4 GiB in 16 fragments: the ceiling
+    assert auto_budget_bytes(many) == AUTO_MAX_BYTES == 256 * mib
+    big = [[(2048 * mib // 4,)]]  # one 2 GiB fragment: two of its fp4 pushes always fit
+    assert auto_budget_bytes(big) == 2 * fp4(big[0]) > AUTO_MAX_BYTES
+
+
+def test_an_automatic_budget_is_sized_once_by_fit_and_a_given_one_is_kept() -> None:
+    budget = PushBudget(budget_bytes=None, wait_s=0.0)
+    with pytest.raises(RuntimeError, match="fit"), budget.reserve(10):
+        pass
+    calls = []
+    shapes = lambda: calls.append(1) or [[(4,)]]  # noqa: E731
+    budget.fit(shapes)
+    budget.fit(shapes)
+    assert budget.budget_bytes == AUTO_MIN_BYTES and len(calls) == 1
+    with budget.reserve(10) as buffer:
+        assert len(buffer) == 10
+    given = PushBudget(budget_bytes=100, wait_s=0.0)
+    given.fit(shapes)
+    assert given.budget_bytes == 100
+
