@@ -140,4 +140,3 @@ def test_an_automatic_budget_is_sized_once_by_fit_and_a_given_one_is_kept() -> N
     given = PushBudget(budget_bytes=100, wait_s=0.0)
     given.fit(shapes)
     assert given.budget_bytes == 100
-
