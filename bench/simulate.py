@@ -250,9 +250,12 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             outer_momentum_warmup_start=variant.outer_momentum_warmup_start,
             # The guard compares a push with its fragment's recent pushes; during a learning
             # rate warm-up each round's pseudo-gradient is legitimately several times the last.
-            # `server` may also set the pull's own top-k fraction.
+            # `server` may also set the pull's own top-k fraction. The outer state stays in
+            # float32 (torch's SGD exactly) unless `server` says otherwise: every cached run
+            # was made so, and a variant's cache key holds only what `server` sets.
             **{
                 "max_norm_ratio": 0.0,
+                "outer_state_dtype": "float32",
                 **({"pull_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
                 **variant.server,
             },

@@ -37,6 +37,27 @@ def test_a_state_dtype_row_is_its_own_run_and_float32_keeps_the_cached_key() -> 
     assert sparse.server == {"pull_topk_fraction": 1 / 32, "outer_state_dtype": "bfloat16"}
 
 
+def test_the_simulated_server_keeps_float32_state_unless_a_row_asks(monkeypatch) -> None:
+    """The daemons default to bfloat16 outer state; the benchmark's rows (and every run in its
+    cache, whose key holds only what a row sets) train with float32 unless they say so."""
+    from bench import simulate
+
+    class Built(Exception):
+        pass
+
+    def aggregator(config, **_):
+        raise Built(config.outer.outer_state_dtype)
+
+    monkeypatch.setattr(simulate, "Aggregator", aggregator)
+    for row, dtype in [
+        (Row("fp4", h=20), "float32"),
+        (Row("fp4", h=20, state_dtype="bfloat16"), "bfloat16"),
+        (Row("sparse-2bit", h=20, topk=1 / 64), "float32"),
+    ]:
+        with pytest.raises(Built, match=dtype):
+            simulate.run_variant(row.setup(), row.variant())
+
+
 def test_the_trend_has_every_row_at_every_step_count_and_seed() -> None:
     from bench.quality_sweep import trend_rows
 
