@@ -79,6 +79,13 @@ class Aggregator:
         identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
         self._persistence = Persistence(config.persistence, identity, self.events)
         if (restored := self._persistence.restore()) is not None and self.resume(restored):
+            # Said out loud: from float32 the conversion loses precision for good (the next
+            # snapshot is in the new dtype), and the default is bfloat16 in sync/quorum.
+            log.warning(
+                "outer state (momentum, pull residual) of the state dir converted to %s "
+                "(outer_state_dtype); give --outer-state-dtype to keep another",
+                config.outer.outer_state_dtype,
+            )
             # The state dtype changed: a snapshot now, so that the log's next records follow
             # a snapshot in the dtype they are made in (a replay runs in the snapshot's).
             with self._cond:

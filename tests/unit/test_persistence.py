@@ -2,6 +2,7 @@
 corrupt log tail is detected and dropped, never loaded blindly."""
 
 import io
+import logging
 import struct
 import zlib
 
@@ -74,7 +75,7 @@ def test_restart_resumes_exactly_where_it_stopped(
 @pytest.mark.parametrize("snapshot_every", [1, 100])  # restored from a snapshot; replayed
 @pytest.mark.parametrize("pull_codec", ["fp4_e2m1", "fp32"])  # fp32: every bit of θ shows
 def test_bfloat16_outer_state_resumes_exactly_and_a_change_of_dtype_converts(
-    tmp_path, snapshot_every, pull_codec
+    tmp_path, caplog, snapshot_every, pull_codec
 ) -> None:
     same = {"snapshot_every_versions": snapshot_every, "pull_codec": pull_codec}
     compact = {"outer_state_dtype": "bfloat16", **same}
@@ -95,18 +96,22 @@ def test_bfloat16_outer_state_resumes_exactly_and_a_change_of_dtype_converts(
     )
     # A float32 state dir taken up with bfloat16 (killed each time, never checkpointed):
     # the log replays in the dtype it was made in, every served version comes back exactly,
-    # and the state is kept in bfloat16 from then on.
-    exact, s3 = start(tmp_path / "b", **same)
+    # and the state is kept in bfloat16 from then on, which the log says.
+    float32 = {"outer_state_dtype": "float32", **same}
+    exact, s3 = start(tmp_path / "b", **float32)
     initialize_both(exact, s3)
     run_rounds(exact, s3, range(10))
-    converted, s4 = start(tmp_path / "b", **compact)
+    assert exact._params.fragment(0).outer.momentum_buffers[0].dtype == torch.float32
+    with caplog.at_level(logging.WARNING, logger="server.aggregator"):
+        converted, s4 = start(tmp_path / "b", **compact)
+    assert "converted to bfloat16" in caplog.text
     assert_same(state(converted), state(exact))
     assert converted._params.fragment(0).outer.momentum_buffers[0].dtype == torch.bfloat16
     run_rounds(converted, s4, range(10, 14))
     again, _ = start(tmp_path / "b", **compact)
     assert [again.version(f) for f in (0, 1)] == [14, 14]
     assert_same(state(again), state(converted))
-    back, _ = start(tmp_path / "b", **same)
+    back, _ = start(tmp_path / "b", **float32)
     assert_same(state(back), state(converted))
 
 
