@@ -76,8 +76,9 @@ class LimitsConfig:
     size is reserved before its payload is read (server/receive.py). 0: sized to the
     fragments the shard owns, a quarter of their fp32 bytes within 64-256 MiB and at least
     two fp4 pushes of the largest. A fragment's initial fp32 values larger than this are
-    received alone; other pushes must fit (fp32 deltas of a big fragment need a budget of
-    at least its fp32 bytes)."""
+    received alone; other pushes must fit: learners pushing in bf16 or fp32 need a budget of
+    at least one such push of the largest fragment (2 or 4 bytes a value), else those pushes
+    are refused, the error giving both sizes."""
     push_budget_wait_s: float = 0.0
     """How long a push waits for room in push_memory_budget_mb before it is refused with
     RESOURCE_EXHAUSTED and a retry hint (learners retry it). 0: refused at once. A waiting
