@@ -98,8 +98,7 @@ class GlobalParams:
         pull reports it) only with `crc` and once the fragment has parameters, else 0."""
         return [
             (f.fragment_id, f.version, f.pull(f.version).params_crc32 if crc and f.params else 0)
-            for f in self.fragments
-            if self.shard_map is None or self.shard_map.owns(f.fragment_id)
+            for f in self._owned_fragments()
         ]
 
     def layout(self) -> list[tuple[int, list[int], int]]:
@@ -108,8 +107,11 @@ class GlobalParams:
 
     def owned_shapes(self) -> list[list[tuple[int, ...]]]:
         """The tensor shapes of each fragment this shard owns (none before a fingerprint)."""
+        return [list(f.shapes) for f in self._owned_fragments()]
+
+    def _owned_fragments(self) -> list[FragmentState]:
         return [
-            list(f.shapes)
+            f
             for f in self.fragments
             if self.shard_map is None or self.shard_map.owns(f.fragment_id)
         ]
