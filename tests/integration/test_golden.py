@@ -33,8 +33,14 @@ OUTER_STEPS = 4
 H = 4
 
 # fmt: off
-SYNC_SERVER_CRCS = {0: 2806193118, 1: 3858074072}
-SYNC_LEARNER_CRC = 2000704102
+# The sync run trains real models, and torch's CPU kernels (matmul, AdamW) round differently
+# on different instruction sets, so its CRCs are pinned per machine kind: (server CRCs, the
+# learners' CRC). Any change of behaviour moves them on every machine; a new kind of machine
+# fails with its CRCs and CPU capability printed, to be added here after checking the run.
+SYNC_CRCS = {
+    "x86 machine with the first recorded run": ({0: 2806193118, 1: 3858074072}, 2000704102),
+    "AMD EPYC, torch CPU capability AVX2": ({0: 2846800654, 1: 4007812360}, 3634468141),
+}
 QUORUM_SERVER_CRCS = {0: 3926809799, 1: 1563035161}
 QUORUM_VERSIONS = {0: 8, 1: 8}
 # fmt: on
@@ -132,9 +138,13 @@ def test_sync_run_reproduces_its_parameters_bit_for_bit() -> None:
         service.stop(grace_s=0)
     assert versions == {0: OUTER_STEPS, 1: OUTER_STEPS}
     learner_crcs = {r.rank_params_crc32[0] for r in results.values()}
-    print("sync golden:", crcs, learner_crcs)
-    assert crcs == SYNC_SERVER_CRCS
-    assert learner_crcs == {SYNC_LEARNER_CRC}  # both end on the global parameters
+    cpu = torch.backends.cpu.get_cpu_capability()
+    print("sync golden:", crcs, learner_crcs, cpu)
+    assert len(learner_crcs) == 1  # both learners end on the global parameters
+    known = [kind for kind, pinned in SYNC_CRCS.items() if pinned == (crcs, *learner_crcs)]
+    assert known, (
+        f"CRCs {crcs}, learners {learner_crcs} (torch CPU capability {cpu}) match no pinned run"
+    )
 
 
 QUORUM_SPECS = [
