@@ -193,9 +193,27 @@ def test_the_benchmark_writes_every_row_over_its_seeds(tmp_path, monkeypatch, qu
     assert (tmp_path / "quality_tradeoff.png").exists() != quick
 
 
-def test_rows_are_given_as_codec_h_and_topk() -> None:
-    assert quality.parse_row("sparse-fp4:20:0.015625") == ("sparse-fp4", 20, 0.015625)
-    assert quality.parse_row("fp32:50") == ("fp32", 50, 0.0)
-    for bad, why in [("fp4", "expected codec:H"), ("fp3:20", "unknown codec"), ("fp4:0", "H must")]:
+def test_rows_are_given_as_codec_h_topk_and_outer_lr() -> None:
+    assert quality.parse_row("sparse-fp4:20:0.015625") == ("sparse-fp4", 20, 0.015625, None)
+    assert quality.parse_row("fp32:50") == ("fp32", 50, 0.0, None)
+    assert quality.parse_row("fp4:5:0:0.35") == ("fp4", 5, 0.0, 0.35)
+    for bad, why in [("fp4", "expected codec:H"), ("fp3:20", "unknown codec"), ("fp4:0", "H must"),
+                     ("fp4:5:0:0", "outer lr"), ("fp4:5:0:1:2", "expected")]:  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             quality.parse_row(bad)
+
+
+def test_sparse_is_judged_against_the_best_fp4_row_of_its_h() -> None:
+    entries = [
+        {**a, **b}
+        for a, b in (
+            entry("dp", 0, 0.0, 1_000_000),
+            entry("fp4", 5, 0.30, 1000),  # the recipe's outer lr
+            entry("fp4", 5, 0.05, 1000),  # an outer lr tuned at this H
+            entry("sparse-2bit", 5, 0.15, 100),
+        )
+    ]
+    entries[2]["name"] = "fp4 H=5 outer lr 0.35"
+    lines = quality.check(entries)
+    assert "FAIL  sparse-2bit H=5: 10.0x fewer bytes than fp4 H=5 outer lr 0.35 (>= 8x), " \
+        "mean gap +10.00 pp vs its (<= +0.5 pp)" in lines  # fmt: skip
