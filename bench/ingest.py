@@ -16,7 +16,8 @@ server) does the same work per byte on both sides.
 the rounds' ratios: the machine is shared, and its load drifted between the two halves of a
 sequential run (the same code measured 0.3 to 1.2 that way). Reported: wire payload bytes per
 second of each (median of the rounds), ingest_vs_grpc = (b) / (a) (target >= 0.8),
-and each server's CPU time per push (less sensitive to other load than the rates). Writes
+and each server's CPU time per push (less sensitive to other load than the rates); and, in
+this process, two server paths against what they replace (server_paths). Writes
 bench/results/ingest.json; `measure(quick)` returns the same dict.
 """
 
@@ -192,6 +193,46 @@ def _as(learner_id: str) -> tuple[tuple[str, str]]:
     return ((LEARNER_ID_HEADER, learner_id),)
 
 
+def _median_ms(run: Callable[[], object], repeats: int = 5) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
+    """Two of the server's ingest paths against what they replace, in this process, per
+    push: adding DEFERRED_PUSHES + 1 fp4 pushes to a round's sum in one pass vs one add each
+    (server/ingest.py add_in_turn), and reading a push's chunks as views vs protobuf's
+    parse and field read (server/push_wire.py)."""
+    from server.fragment import DEFERRED_PUSHES
+    from server.ingest import IngestSlot, add_in_turn
+    from server.push_wire import parse_push_request
+
+    count = DEFERRED_PUSHES + 1
+    slots = [IngestSlot() for _ in range(count)]
+    bodies = [(slot.parse(payload, shapes), 0.5 + i / 8) for i, slot in enumerate(slots)]
+    if not all(body.combinable() for body, _ in bodies):
+        raise RuntimeError("fp4 pushes must be combinable (is the C kernel built?)")
+    sums = [torch.zeros(s) for s in shapes]
+    together = _median_ms(lambda: add_in_turn(bodies, sums)) / count
+    one_by_one = _median_ms(lambda: [body.add_to(sums, w) for body, w in bodies]) / count
+    messages = [pb.PushFragmentRequest(chunk=c).SerializeToString() for c in chunks(payload)]
+    protobuf = _median_ms(lambda: [pb.PushFragmentRequest.FromString(m).chunk for m in messages])
+    views = _median_ms(lambda: [parse_push_request(m) for m in messages])
+    return {
+        "pushes_added_together": count,
+        "add_ms_per_push_together": together,
+        "add_ms_per_push_one_by_one": one_by_one,
+        "add_together_speedup": one_by_one / together,
+        "chunks_ms_per_push_views": views,
+        "chunks_ms_per_push_protobuf": protobuf,
+    }
+
+
 def measure(quick: bool = False, streams: int = 4) -> dict:
     """Run (a) and (b) alternately, ROUNDS times each, and return the figures (for bench/perf
     suites)."""
@@ -239,6 +280,7 @@ def measure(quick: bool = False, streams: int = 4) -> dict:
         "grpc_server_cpu_ms_per_push": 1e3 * sum(c for _, c in grpc_runs) / pushes,
         "ingest_server_cpu_ms_per_push": 1e3 * sum(c for _, c in ingest_runs) / pushes,
         "ingest_server_peak_rss_mb": peak_mb,
+        "server_paths": server_paths(shapes, payload),
     }
 
 

@@ -461,6 +461,30 @@ int64_t fp4_accumulate(const uint8_t *packed, const uint8_t *scales, int64_t n,
     return accumulate_portable(packed, scales, n, grid, weight, mode, sum);
 }
 
+/* fp4_accumulate for `count` pushes into one sum, in push order: element by element the
+ * same float32 operations as one fp4_accumulate call per push, so the result is
+ * bit-identical; but the sum is read and written once per TILE values for all of them
+ * instead of once per push. A large fragment's sum does not fit in any cache, so adding
+ * pushes one by one moves it through memory each time; here a tile stays in L2 while every
+ * push is added to it (bench/ingest.py server_paths measures the two). Returns -1 (nothing
+ * written) if any push has a NaN scale byte. */
+#define TILE (1 << 14) /* values: 64 KiB of sum, a multiple of BLOCK */
+int64_t fp4_accumulate_many(int64_t count, const uint8_t *const *packed,
+                            const uint8_t *const *scales, int64_t n, const float *const *grids,
+                            const float *weights, const int *modes, float *sum)
+{
+    for (int64_t j = 0; j < count; j++)
+        if (has_nan_scale(scales[j], (n + BLOCK - 1) / BLOCK))
+            return -1;
+    for (int64_t start = 0; start < n; start += TILE) {
+        const int64_t len = n - start < TILE ? n - start : TILE;
+        for (int64_t j = 0; j < count; j++)
+            fp4_accumulate(packed[j] + start / 2, scales[j] + start / BLOCK, len, grids[j],
+                           weights[j], modes[j], sum + start);
+    }
+    return 0;
+}
+
 /* ---- Top-k selection for the sparse codecs (common/sparse.py) ----------------------------
  *
  * For each of `rows` rows of `width` finite float32 values, the indices of the k largest

@@ -26,7 +26,9 @@ import platform
 import shutil
 import subprocess
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +52,16 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
+class FP4Add(NamedTuple):
+    """One push's part of Kernel.accumulate_many: out (mode)= weight * its decoded values."""
+
+    payload: Buffer
+    scales: Buffer
+    grid: torch.Tensor  # float32, contiguous (common.codec.FP4_GRIDS)
+    weight: float
+    mode: int
+
+
 class Kernel:
     """ctypes bindings of fp4_quantize / fp4_dequantize, taking torch tensors."""
 
@@ -65,6 +77,8 @@ class Kernel:
         lib.fp4_stats.restype = i64
         lib.fp4_accumulate.argtypes = [ptr, ptr, i64, ptr, f32, cint, ptr]
         lib.fp4_accumulate.restype = i64
+        lib.fp4_accumulate_many.argtypes = [i64, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+        lib.fp4_accumulate_many.restype = i64
         lib.topk_select.argtypes = [ptr, i64, i64, i64, ptr]
         lib.topk_select.restype = None
         self._lib = lib
@@ -147,6 +161,32 @@ class Kernel:
             code_ptr, scale_ptr, numel, grid.data_ptr(), weight, mode, out.data_ptr()
         )
         del codes, scale_bytes  # kept alive across the call
+        return int(status)
+
+    def accumulate_many(self, pushes: Sequence[FP4Add], numel: int, out: torch.Tensor) -> int:
+        """`accumulate` of each push in turn, bit-identical, in one pass over `out` (the
+        kernel adds them all to one cache-sized tile of it at a time); -1 (out untouched)
+        if any has a NaN scale byte, else 0."""
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != numel:
+            raise ValueError(f"accumulate needs a contiguous float32 tensor of {numel} values")
+        count, keep_alive = len(pushes), []
+        codes, scales = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
+        grids, weights = (ctypes.c_void_p * count)(), (ctypes.c_float * count)()
+        modes = (ctypes.c_int * count)()
+        for j, push in enumerate(pushes):
+            _check_lengths(push.payload, push.scales, numel)
+            if push.mode not in (ACC_SET, ACC_ADD_FMA, ACC_ADD_MUL):
+                raise ValueError(f"unknown accumulate mode {push.mode}")
+            (code_array, codes[j]), (scale_array, scales[j]) = (
+                _address(push.payload),
+                _address(push.scales),
+            )
+            keep_alive += [code_array, scale_array]
+            grids[j], weights[j], modes[j] = push.grid.data_ptr(), push.weight, push.mode
+        status = self._lib.fp4_accumulate_many(
+            count, codes, scales, numel, grids, weights, modes, out.data_ptr()
+        )
+        del keep_alive  # kept alive across the call
         return int(status)
 
     def topk_select(self, rows: torch.Tensor, k: int) -> torch.Tensor:

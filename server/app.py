@@ -27,6 +27,7 @@ from server.config import ServerConfig
 from server.deadlines import StreamDeadlines
 from server.inflight import InFlightLimit
 from server.metrics import ServerMetrics
+from server.push_wire import ChunkViews
 from server.ratelimit import RateLimit
 from server.receive import PushBudget
 from server.servicer import AggregatorServicer
@@ -66,7 +67,8 @@ class AggregatorService:
         )
         # Authentication first: the limits then key on verified learner ids. Deadlines last:
         # they watch the handler's own waits on its peer.
-        chain = (self.auth, self.rate_limit, self.in_flight, self.deadlines)
+        # ChunkViews first: it gives PushFragment a request deserializer whatever the others do.
+        chain = (ChunkViews(), self.auth, self.rate_limit, self.in_flight, self.deadlines)
         self._server, self.port = create_server(
             network.listen,
             network.credentials(),

@@ -169,7 +169,7 @@ class StreamDeadlines(grpc.ServerInterceptor):
         try:
             if not message.HasField("header"):
                 return
-        except ValueError:  # a message without a header (reflection)
+        except (ValueError, AttributeError):  # no header field (reflection), or a chunk view
             return
         watch.payload_bytes = message.header.payload_bytes
         watch.deadline = (

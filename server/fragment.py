@@ -32,10 +32,16 @@ from common.codec import codec_id
 from common.fragment_wire import chain_parts, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.wire import DEFAULT_SPARSE_K, params_crc32
-from server.ingest import DenseBody, PushBody
+from server.ingest import DenseBody, PushBody, add_in_turn
 from server.outer import STATE_DTYPES, OuterOptimizer
 from server.pull_encoder import UpdateEncoder
 from server.pull_parts import TensorBytes, snapshot_parts
+
+# Accepted fp4 pushes a round may hold back to add with the next one in a single pass over
+# its sum (server/ingest.py add_in_turn): a 16 M-value fragment's float32 sum is 64 MiB, which
+# one add per push moves through memory each time. Their receive buffers stay held meanwhile,
+# within the push memory budget (server/receive.py PushBudget.hold).
+DEFERRED_PUSHES = 3
 
 
 @dataclass
@@ -58,6 +64,9 @@ class Round:
     # With robust_merge trimmed-mean: each push's discounted Δ, which the trimmed mean
     # replaces the weighted sum with at the close (server/rounds.py); else None.
     kept: list[list[torch.Tensor]] | None = None
+    # Accepted pushes not yet in delta_sum (their weight, bound and counts are): added
+    # together with the next push, or at the close (FragmentState.add, settle).
+    deferred: list[tuple[PushBody, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -157,14 +166,27 @@ class FragmentState:
         if rnd.delta_sum is None and self._spare_sum is not None:
             rnd.delta_sum = body.add_to(self._spare_sum, scale, overwrite=True)
             self._spare_sum = None
+        elif rnd.delta_sum is None:
+            rnd.delta_sum = body.add_to(None, scale)
+        elif len(rnd.deferred) < DEFERRED_PUSHES and not keep and body.defer():
+            rnd.deferred.append((body, scale))
         else:
-            rnd.delta_sum = body.add_to(rnd.delta_sum, scale)
+            add_in_turn([*rnd.deferred, (body, scale)], rnd.delta_sum)
+            rnd.deferred = []
         rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
         rnd.excused.discard(learner_id)
         rnd.pushes += 1
         rnd.tokens += tokens
+
+    def settle(self) -> None:
+        """Add the round's deferred pushes to its sum now (before anything reads it)."""
+        rnd = self.round
+        if rnd.deferred:
+            assert rnd.delta_sum is not None  # a round's first push is never deferred
+            add_in_turn(rnd.deferred, rnd.delta_sum)
+            rnd.deferred = []
 
     def close_round(
         self,
@@ -178,6 +200,7 @@ class FragmentState:
         `record(mean)` is called after the step (the durable log): the mean lives in the
         round's sum buffer, which is then kept for the next round instead of freed.
         """
+        self.settle()
         rnd, started = self.round, time.perf_counter()
         assert rnd.delta_sum is not None and self.params is not None  # caller checked
         denominator = max(rnd.weight_sum, expected_weight)

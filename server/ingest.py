@@ -28,6 +28,15 @@ neither mode matches, or there is no kernel (DILOCO_FP4_KERNEL=torch), the torch
 runs. The kernel's norm sums the squares exactly per scale (in integers), so it can differ
 from the torch path's float64 dot product in the last bits; max |value| is exact.
 
+A round's sum is float32 and a large fragment's does not fit in any cache, so an add also
+moves the whole sum through memory. Pushes are therefore added a few at a time: a round may
+hold back up to server.fragment.DEFERRED_PUSHES accepted fp4 pushes (their receive buffers
+held, PushBody.defer) and add them with the next one in a single pass (add_in_turn), the
+kernel adding every push to one cache-sized tile of the sum before the next tile; the
+per-element operations and their order are those of one add after another, so the sum is
+bit-identical. bench/ingest.py (server_paths) measures it against one add per push: 1.4x
+faster at 16 M values, even at 4 M, whose 16 MiB sum stays in this machine's 32 MiB L3.
+
 Sparse pushes were decoded by the parser into their kept entries (a fraction of the values,
 in proportion to the payload): the norm reads those, and the add scatters them into a zeroed
 chunk. Other codecs (and the torch path) decode `CHUNK_VALUES` at a time: a chunk of float32 stays
@@ -47,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import math
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -57,6 +66,9 @@ from common.codec import FP4_BLOCK, FP4_GRIDS, dequantize_fp4
 from common.errors import InvalidArgument
 from common.fragment_wire import NOT_FINITE, WireTensor, parse_fragment, parse_fragment_view
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+
+# Keeps a push's receive buffer past its call: the buffer's release, or None if it may not.
+Hold = Callable[[], Callable[[], None] | None]
 
 # Values decoded at a time: 512 KiB of float32, small enough to stay in cache from the decode
 # to the add, large enough that the per-chunk Python overhead (~30 µs) stays a few percent.
@@ -118,11 +130,47 @@ class PushBody:
         squares: float,
         max_abs: float,
         kernel: fp4_native.Kernel | None = None,
+        hold: Hold | None = None,
     ) -> None:
         self._tensors, self._scratch, self._kernel = tensors, scratch, kernel
         self.shapes = [t.shape for t in tensors]
         self.norm = math.sqrt(squares)  # float64 sum of squares, as the NormGuard wants
         self.max_abs = max_abs
+        self._hold, self._release = hold, None
+
+    def defer(self) -> bool:
+        """Keep this push's bytes past its call, to be added later with others in one pass
+        (add_in_turn); False when it cannot be: not all fp4 through the kernel, or its
+        receive buffer may not be held (server/receive.py PushBudget.hold). A deferred
+        body is valid until add_in_turn releases it."""
+        if self._hold is None or self._release is not None or not self.combinable():
+            return False
+        self._release = self._hold()
+        return self._release is not None
+
+    def combinable(self) -> bool:
+        """Whether the kernel can add it together with others (Kernel.accumulate_many)."""
+        return (
+            self._kernel is not None
+            and self._kernel.torch_add_mode() is not None
+            and all(t.codec in FP4_GRIDS for t in self._tensors)
+        )
+
+    def kernel_adds(self, scale: float) -> list[fp4_native.FP4Add]:
+        """Per tensor, what Kernel.accumulate_many adds of it (a combinable body)."""
+        assert self._kernel is not None  # combinable() checked
+        mode = self._kernel.torch_add_mode()
+        assert mode is not None
+        return [
+            fp4_native.FP4Add(t.payload, t.scales, FP4_GRIDS[t.codec], scale, mode)
+            for t in self._tensors
+        ]
+
+    def release(self) -> None:
+        """Give a deferred body's receive buffer back (nothing for one not deferred)."""
+        if self._release is not None:
+            self._release()
+            self._release = None
 
     def add_to(
         self, sums: list[torch.Tensor] | None, scale: float, overwrite: bool = False
@@ -174,6 +222,40 @@ class PushBody:
                 yield t, start, stop
 
 
+def add_in_turn(pushes: Sequence[tuple[PushBody | DenseBody, float]], sums: list[torch.Tensor]):
+    """sums += scale·Δ for each (body, scale) in order, bit-identical to their add_to one
+    after another, then release the deferred ones' buffers. Consecutive fp4 pushes go
+    through the kernel in one pass over each sum (Kernel.accumulate_many; see the module
+    docstring)."""
+    try:
+        start = 0
+        while start < len(pushes):
+            stop = start + 1
+            if pushes[start][0].combinable():
+                while stop < len(pushes) and pushes[stop][0].combinable():
+                    stop += 1
+            if stop - start == 1:
+                body, scale = pushes[start]
+                body.add_to(sums, scale)
+            else:
+                _add_together(pushes[start:stop], sums)  # type: ignore[arg-type]
+            start = stop
+    finally:  # the budget gets the buffers back even if an add failed
+        for body, _ in pushes:
+            body.release()
+
+
+def _add_together(pushes: Sequence[tuple[PushBody, float]], sums: list[torch.Tensor]):
+    kernel = fp4_native.load()
+    assert kernel is not None  # combinable() bodies were parsed with it
+    per_push = [body.kernel_adds(scale) for body, scale in pushes]
+    for i, target in enumerate(sums):
+        parts = [adds[i] for adds in per_push]
+        status = kernel.accumulate_many(parts, target.numel(), target.view(-1))
+        if status != 0:  # parse() checked these very bytes: a bug, not bad input
+            raise RuntimeError(f"fp4 accumulate failed on checked bytes ({status})")
+
+
 def _spans(numel: int) -> Iterator[tuple[int, int]]:
     for start in range(0, numel, CHUNK_VALUES):
         yield start, min(start + CHUNK_VALUES, numel)
@@ -219,13 +301,15 @@ class IngestSlot:
         data: bytes | bytearray | memoryview,
         shapes: Sequence[tuple[int, ...]],
         release: bool = False,
+        hold: Hold | None = None,
     ) -> PushBody:
         """Check a serialized EncodedFragment against the fragment's shapes and read its norm
         and largest magnitude; raises InvalidArgument as common.wire.decode_fragment does.
 
         A memoryview (a receive buffer, server/receive.py) is read in place: the body's
         tensors are views of it, valid while it is. With `release`, a bytearray `data` is
-        emptied once protobuf has parsed (copied) it."""
+        emptied once protobuf has parsed (copied) it. `hold` keeps `data` valid past the
+        call for a deferred add (PushBody.defer)."""
         kernel = fp4_native.load()
         tensors, squares, max_abs = [], 0.0, 0.0
         checked = (
@@ -238,7 +322,7 @@ class IngestSlot:
             tensor_squares, tensor_max = _value_stats(t, self._scratch, kernel)
             tensors.append(t)
             squares, max_abs = squares + tensor_squares, max(max_abs, tensor_max)
-        return PushBody(tensors, self._scratch, squares, max_abs, kernel)
+        return PushBody(tensors, self._scratch, squares, max_abs, kernel, hold)
 
 
 class IngestSlots:
@@ -276,6 +360,16 @@ class DenseBody:
             if largest > self.max_abs:  # a NaN never wins: the norm check refuses it
                 self.max_abs = largest
         self.norm = math.sqrt(sum(float(t.double().square().sum()) for t in self._tensors))
+
+    def defer(self) -> bool:
+        """Always False: a dense body is added as it comes (see PushBody.defer)."""
+        return False
+
+    def combinable(self) -> bool:
+        return False
+
+    def release(self) -> None:
+        """Nothing to give back (see PushBody.release)."""
 
     def add_to(
         self, sums: list[torch.Tensor] | None, scale: float, overwrite: bool = False

@@ -195,9 +195,15 @@ class _CallsCollector(Collector):
         budget = self.servicer.push_budget
         yield GaugeMetricFamily(
             "diloco_server_push_memory_reserved_bytes",
-            "Bytes of push_memory_budget_mb held now: payloads being received and buffers "
-            "kept for reuse.",
+            "Bytes of push_memory_budget_mb held now: payloads being received, pushes whose "
+            "add waits to be done with the next, and buffers kept for reuse.",
             value=budget.reserved_bytes(),
+        )
+        yield GaugeMetricFamily(
+            "diloco_server_push_memory_deferred_bytes",
+            "Of those, the buffers of accepted pushes whose add waits to be done with the "
+            "next push's (at most half the budget).",
+            value=budget.held_bytes(),
         )
         yield GaugeMetricFamily(
             "diloco_server_push_memory_budget_bytes",

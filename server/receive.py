@@ -22,6 +22,10 @@ By default (push_memory_budget_mb 0) the budget is sized to the fragments this s
 the model is known (auto_budget_bytes): a fixed budget was half a model copy of a shard that
 owns 512 MiB, and it refused every push of a fragment whose fp4 encoding did not fit it.
 
+A push whose add is deferred (server/ingest.py add_in_turn) keeps its buffer past its call:
+`hold` keeps it counted until the round adds it, and refuses once held buffers would take
+more than half the budget, so pushes being received always have the other half.
+
 Buffers are reused: the pool keeps up to `keep` released buffers (the sizes repeat: one per
 fragment and codec), so a push does not fault in fresh pages for its payload every time; a
 kept buffer serves pushes of half its size or more. A cancelled push's buffer is freed, as
@@ -35,6 +39,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -64,6 +69,16 @@ class BudgetExhausted(ResourceExhausted):
     """No room in the push memory budget: worth a retry once other pushes are done."""
 
 
+@dataclass
+class _Reservation:
+    """A buffer handed out by PushBudget.reserve, and whether it is held (PushBudget.hold)."""
+
+    buffer: np.ndarray
+    open: bool = True  # its `reserve` block has not ended
+    held: bool = False
+    released: bool = False
+
+
 class PushBudget:
     """Bytes of push payloads the server may hold at once, and the buffers that hold them."""
 
@@ -76,6 +91,8 @@ class PushBudget:
         self._reserved = 0  # bytes of buffers in use and of the ones kept for reuse
         self._free: list[np.ndarray] = []
         self._waiting_alone = 0  # initial pushes larger than the budget, waiting for room
+        self._open: dict[int, _Reservation] = {}  # by id of the view, while its block runs
+        self._held_bytes = 0  # of the buffers held past their block and not released
         self.refused = 0  # pushes refused for want of room (for metrics)
 
     def fit(self, owned_shapes: Callable[[], Sequence[Sequence[tuple[int, ...]]]]) -> None:
@@ -110,12 +127,51 @@ class PushBudget:
                 "bytes (push_memory_budget_mb)"
             )
         buffer = self._take(size, gone, alone)
-        ok = False
+        view, ok = memoryview(buffer)[:size], False
+        reservation = _Reservation(buffer)
+        with self._cond:
+            self._open[id(view)] = reservation
         try:
-            yield memoryview(buffer)[:size]
+            yield view
             ok = not initial
         finally:
-            self._give_back(buffer, keep=ok)
+            with self._cond:
+                del self._open[id(view)]
+                reservation.open = False
+                kept_held = reservation.held and not reservation.released
+            if not kept_held:
+                self._give_back(buffer, keep=ok)
+
+    def hold(self, view: memoryview) -> Callable[[], None] | None:
+        """Keep the buffer of an open reservation (its `view`) past the end of its block,
+        still counted against the budget, until the returned release is called (a push
+        whose add is deferred: server/fragment.py). None if the view is not an open
+        reservation, or if held buffers would then take more than half the budget: the
+        rest stays free for the pushes being received."""
+        with self._cond:
+            reservation = self._open.get(id(view))
+            if reservation is None or reservation.held or self.budget_bytes is None:
+                return None
+            if self._held_bytes + len(reservation.buffer) > self.budget_bytes // 2:
+                return None
+            reservation.held = True
+            self._held_bytes += len(reservation.buffer)
+
+        def release() -> None:
+            with self._cond:
+                if reservation.released:
+                    return
+                reservation.released = True
+                self._held_bytes -= len(reservation.buffer)
+                if reservation.open:  # its block gives it back when it ends
+                    return
+            self._give_back(reservation.buffer, keep=True)
+
+        return release
+
+    def held_bytes(self) -> int:
+        with self._cond:
+            return self._held_bytes
 
     def _take(self, size: int, gone: Callable[[], bool], alone: bool) -> np.ndarray:
         deadline = time.monotonic() + (max(self.wait_s, ALONE_WAIT_S) if alone else self.wait_s)

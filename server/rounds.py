@@ -130,6 +130,7 @@ class RoundPolicy:
             return None
         if not self.ready(rnd, live):
             return None
+        fragment.settle()
         if rnd.kept is not None:
             # The trimmed mean, times the weight the division below takes out again.
             trim = trim_count(len(rnd.kept), self.config.trim_fraction)

@@ -26,6 +26,7 @@ from server.aggregator import Aggregator
 from server.auth import authenticated_learner
 from server.global_params import ParamSpec
 from server.ingest import IngestSlots
+from server.push_wire import wire_bytes
 from server.receive import BudgetExhausted, PushBudget, receive_into
 from server.status import PushLog, describe_shards, shard_status
 
@@ -185,8 +186,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_abort_on_domain_error
     def PushFragment(self, request_iterator: Iterator[pb.PushFragmentRequest], context):
-        first = next(request_iterator, None)
-        if first is None or not first.HasField("header"):
+        first = next(request_iterator, None)  # chunks are views (server/push_wire.py)
+        if not isinstance(first, pb.PushFragmentRequest) or not first.HasField("header"):
             raise InvalidArgument("a push must start with a header message")
         header = first.header
         fid = header.fragment_id
@@ -227,7 +228,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         header.session_id,
                         fid,
                         header.base_version,
-                        slot.parse(payload, shapes),
+                        slot.parse(payload, shapes, hold=lambda: self.push_budget.hold(payload)),
                         tokens=header.tokens,
                         inner_steps=header.inner_steps,
                     )
@@ -300,10 +301,12 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         """The fragment to count bytes under; unknown ids share one key (bounded labels)."""
         return fragment_id if self.aggregator.has_fragment(fragment_id) else NO_FRAGMENT
 
-    def _chunk_of(self, msg: pb.PushFragmentRequest, fragment_id: int) -> bytes:
+    def _chunk_of(self, msg: pb.PushFragmentRequest | memoryview, fragment_id: int):
+        self.traffic.count(fragment_id, received=wire_bytes(msg))
+        if isinstance(msg, memoryview):  # a chunk, as server/push_wire.py reads them
+            return msg
         if not msg.HasField("chunk"):
             raise InvalidArgument("only payload chunks may follow the push header")
-        self.traffic.count(fragment_id, received=msg.ByteSize())
         return msg.chunk
 
     def _stream(

@@ -1,5 +1,6 @@
 """Push memory against a real server process: half-sent pushes hold at most the push memory
-budget, whatever their number, and what they reserved is returned when they are cancelled."""
+budget, whatever their number, what they reserved is returned when they are cancelled, and a
+push whose add is deferred holds its buffer until its round adds it."""
 
 from __future__ import annotations
 
@@ -133,3 +134,30 @@ def test_half_sent_pushes_hold_at_most_the_budget(start_server_process) -> None:
             assert push_whole(stub, join.session_id, payload).accepted
     finally:
         hold.set()
+
+
+def test_a_deferred_add_holds_its_buffer_until_the_round_adds_it(start_server_process) -> None:
+    """In a sync round of three learners the second fp4 push is accepted and its add deferred
+    (its buffer counted as deferred), the third closes the round, which adds both."""
+    server = start_server_process("--mode", "sync")
+    deferred = "diloco_server_push_memory_deferred_bytes"
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        sessions = [
+            stub.Join(
+                pb.JoinRequest(learner_id=f"l{i}", fingerprint=SPECS),
+                metadata=((LEARNER_ID_HEADER, f"l{i}"),),
+            ).session_id
+            for i in range(3)
+        ]
+        initial = encode_fragment([torch.zeros(VALUES)], "fp32")
+        assert push_whole(stub, sessions[0], initial, initial=True).accepted
+        payloads = [encode_fragment([torch.full((VALUES,), 1e-3 * (i + 1))], "fp4_e2m1")
+                    for i in range(3)]  # fmt: skip
+        for i in range(2):
+            assert push_whole(stub, sessions[i], payloads[i]).round_version == 1
+        assert metric(server, deferred) == len(payloads[1])
+        assert stub.Heartbeat(pb.HeartbeatRequest(session_id=sessions[2])).fragment_versions == [0]
+        assert push_whole(stub, sessions[2], payloads[2]).accepted
+        assert metric(server, deferred) == 0
+        assert stub.Heartbeat(pb.HeartbeatRequest(session_id=sessions[2])).fragment_versions == [1]
