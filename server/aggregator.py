@@ -246,6 +246,13 @@ class Aggregator:
             self._maybe_close(fragment)
             return round_version
 
+    def settle_deferred(self) -> None:
+        """Add every round's deferred pushes now, giving their buffers back (the push budget
+        asks when a push finds no room: server/receive.py)."""
+        with self._cond:
+            for fragment in self._params.fragments:
+                fragment.settle()
+
     def session_learner(self, session_id: str) -> str:
         """The learner id that opened the session; NotFound when there is none."""
         with self._cond:

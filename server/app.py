@@ -77,7 +77,11 @@ class AggregatorService:
             max_concurrent_streams=limits.max_concurrent_streams,
         )
         mb = limits.push_memory_budget_mb
-        budget = PushBudget(int(mb * 2**20) if mb else None, limits.push_budget_wait_s)
+        budget = PushBudget(
+            int(mb * 2**20) if mb else None,
+            limits.push_budget_wait_s,
+            drain=self.aggregator.settle_deferred,
+        )
         self.servicer = AggregatorServicer(self.aggregator, push_budget=budget)
         self.metrics.watch(self.aggregator, self.servicer, self.rate_limit, self.in_flight)
         self.metrics.watch_cuts(self.deadlines, self.auth)

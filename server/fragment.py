@@ -170,9 +170,9 @@ class FragmentState:
             rnd.delta_sum = body.add_to(None, scale)
         elif len(rnd.deferred) < DEFERRED_PUSHES and not keep and body.defer():
             rnd.deferred.append((body, scale))
-        else:
-            add_in_turn([*rnd.deferred, (body, scale)], rnd.delta_sum)
-            rnd.deferred = []
+        else:  # emptied first: add_in_turn releases their buffers even if it fails
+            pending, rnd.deferred = rnd.deferred, []
+            add_in_turn([*pending, (body, scale)], rnd.delta_sum)
         rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
@@ -185,8 +185,8 @@ class FragmentState:
         rnd = self.round
         if rnd.deferred:
             assert rnd.delta_sum is not None  # a round's first push is never deferred
-            add_in_turn(rnd.deferred, rnd.delta_sum)
-            rnd.deferred = []
+            pending, rnd.deferred = rnd.deferred, []  # as in add
+            add_in_turn(pending, rnd.delta_sum)
 
     def close_round(
         self,

@@ -24,7 +24,9 @@ owns 512 MiB, and it refused every push of a fragment whose fp4 encoding did not
 
 A push whose add is deferred (server/ingest.py add_in_turn) keeps its buffer past its call:
 `hold` keeps it counted until the round adds it, and refuses once held buffers would take
-more than half the budget, so pushes being received always have the other half.
+more than half the budget, so pushes being received always have the other half; a push that
+finds no room has the rounds add their deferred pushes at once (`drain`), and nothing more is
+held while it waits.
 
 Buffers are reused: the pool keeps up to `keep` released buffers (the sizes repeat: one per
 fragment and codec), so a push does not fault in fresh pages for its payload every time; a
@@ -82,11 +84,21 @@ class _Reservation:
 class PushBudget:
     """Bytes of push payloads the server may hold at once, and the buffers that hold them."""
 
-    def __init__(self, budget_bytes: int | None, wait_s: float, keep: int = 4) -> None:
-        """`budget_bytes` None: sized by `fit` (auto_budget_bytes) before the first push."""
+    def __init__(
+        self,
+        budget_bytes: int | None,
+        wait_s: float,
+        keep: int = 4,
+        drain: Callable[[], None] | None = None,
+    ) -> None:
+        """`budget_bytes` None: sized by `fit` (auto_budget_bytes) before the first push.
+        `drain` gives every held buffer back now (the rounds add their deferred pushes); a
+        push that finds no room calls it, so held buffers never keep a push waiting."""
         if budget_bytes is not None and budget_bytes < 1:
             raise ValueError(f"push memory budget must be >= 1 byte, got {budget_bytes}")
         self.budget_bytes, self.wait_s, self._keep = budget_bytes, wait_s, keep
+        self._drain = drain
+        self._waiting = 0  # pushes waiting for room: nothing more is held meanwhile
         self._cond = threading.Condition()
         self._reserved = 0  # bytes of buffers in use and of the ones kept for reuse
         self._free: list[np.ndarray] = []
@@ -146,11 +158,13 @@ class PushBudget:
         """Keep the buffer of an open reservation (its `view`) past the end of its block,
         still counted against the budget, until the returned release is called (a push
         whose add is deferred: server/fragment.py). None if the view is not an open
-        reservation, or if held buffers would then take more than half the budget: the
-        rest stays free for the pushes being received."""
+        reservation, if a push waits for room, or if held buffers would then take more than
+        half the budget: the rest stays free for the pushes being received."""
         with self._cond:
             reservation = self._open.get(id(view))
             if reservation is None or reservation.held or self.budget_bytes is None:
+                return None
+            if self._waiting:  # a push waits for room: this one is added now instead
                 return None
             if self._held_bytes + len(reservation.buffer) > self.budget_bytes // 2:
                 return None
@@ -175,14 +189,25 @@ class PushBudget:
 
     def _take(self, size: int, gone: Callable[[], bool], alone: bool) -> np.ndarray:
         deadline = time.monotonic() + (max(self.wait_s, ALONE_WAIT_S) if alone else self.wait_s)
+        drained = False
         with self._cond:
             self._waiting_alone += alone
+            self._waiting += 1
             try:
                 while True:
                     if alone or not self._waiting_alone:
                         buffer = self._fitting(size)
                         if buffer is not None:
                             return buffer
+                    if self._held_bytes and self._drain is not None and not drained:
+                        drained = True  # once per wait: the releases notify the others
+                        self._cond.release()  # drain takes the aggregator's lock
+                        try:
+                            self._drain()
+                        finally:
+                            self._cond.acquire()
+                        continue
+                    drained = False
                     left = deadline - time.monotonic()
                     if left <= 0 or gone():
                         self.refused += 1
@@ -193,6 +218,7 @@ class PushBudget:
                     self._cond.wait(min(left, _POLL_S))
             finally:
                 self._waiting_alone -= alone
+                self._waiting -= 1
 
     def _fitting(self, size: int) -> np.ndarray | None:
         """A buffer of at least `size` bytes if the budget has room for it now (a push larger

@@ -302,12 +302,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         return fragment_id if self.aggregator.has_fragment(fragment_id) else NO_FRAGMENT
 
     def _chunk_of(self, msg: pb.PushFragmentRequest | memoryview, fragment_id: int):
-        self.traffic.count(fragment_id, received=wire_bytes(msg))
-        if isinstance(msg, memoryview):  # a chunk, as server/push_wire.py reads them
-            return msg
-        if not msg.HasField("chunk"):
+        if not isinstance(msg, memoryview) and not msg.HasField("chunk"):
             raise InvalidArgument("only payload chunks may follow the push header")
-        return msg.chunk
+        self.traffic.count(fragment_id, received=wire_bytes(msg))
+        # A view is a chunk, as server/push_wire.py reads them.
+        return msg if isinstance(msg, memoryview) else msg.chunk
 
     def _stream(
         self, header: pb.PullHeader, parts: tuple[bytes, ...]

@@ -151,6 +151,7 @@ def test_push_messages_read_as_protobuf_does(message: pb.PushFragmentRequest) ->
         b"\x12\x01a\x12\x01b",  # the field twice: protobuf keeps the last
         b"\x12\x01a\x18\x01",  # an unknown field after it
         b"\x12" + b"\xff" * 11,  # a varint longer than any
+        b"\x12\x85\x80\x80\x80\x80\x00abcde",  # a length longer than protobuf reads
     ],
 )
 def test_other_messages_go_to_protobufs_parser(data: bytes) -> None:
@@ -161,3 +162,41 @@ def test_other_messages_go_to_protobufs_parser(data: bytes) -> None:
             parse_push_request(data)
         return
     assert parse_push_request(data) == expected
+
+
+def test_a_push_that_finds_no_room_has_the_held_buffers_given_back_first() -> None:
+    releases = []
+    budget = PushBudget(100, wait_s=0.0, keep=0, drain=lambda: [r() for r in releases])
+    with budget.reserve(40) as view:
+        releases.append(budget.hold(view))
+    assert budget.held_bytes() == 40
+    with budget.reserve(70):  # fits only once the held 40 bytes are back
+        assert budget.held_bytes() == 0
+
+
+class _FailingBody:
+    """A push whose add fails (a bug, not bad input)."""
+
+    shapes, max_abs, norm = [(300, 211), (5,)], 0.0, 0.0
+
+    def defer(self) -> bool:
+        return False
+
+    def combinable(self) -> bool:
+        return False
+
+    def release(self) -> None:
+        pass
+
+    def add_to(self, sums, scale, overwrite=False):
+        raise RuntimeError("add failed")
+
+
+def test_a_failed_add_leaves_no_deferred_push_behind(kernel) -> None:
+    shapes = [(300, 211), (5,)]
+    budget = PushBudget(64 << 20, wait_s=0.0)
+    fragment = _run_round(shapes, [_fp4_push(seed, shapes) for seed in range(3)], budget)
+    assert len(fragment.round.deferred) == 2
+    with pytest.raises(RuntimeError, match="add failed"):
+        fragment.add("bad", _FailingBody(), tokens=1)  # type: ignore[arg-type]
+    assert not fragment.round.deferred and budget.held_bytes() == 0  # never added twice
