@@ -75,8 +75,6 @@ class Kernel:
         f32 = ctypes.c_float
         lib.fp4_stats.argtypes = [ptr, ptr, i64, ptr, ctypes.POINTER(f64), ctypes.POINTER(f32)]
         lib.fp4_stats.restype = i64
-        lib.fp4_accumulate.argtypes = [ptr, ptr, i64, ptr, f32, cint, ptr]
-        lib.fp4_accumulate.restype = i64
         lib.fp4_accumulate_many.argtypes = [i64, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         lib.fp4_accumulate_many.restype = i64
         lib.topk_select.argtypes = [ptr, i64, i64, i64, ptr]
@@ -151,24 +149,12 @@ class Kernel:
     ) -> int:
         """out (op)= weight * decoded values, in place (`mode` one of ACC_*); -1 (out
         untouched) for a NaN scale byte, else 0. `out` is a contiguous float32 CPU tensor."""
-        _check_lengths(payload, scales, numel)
-        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != numel:
-            raise ValueError(f"accumulate needs a contiguous float32 tensor of {numel} values")
-        if mode not in (ACC_SET, ACC_ADD_FMA, ACC_ADD_MUL):
-            raise ValueError(f"unknown accumulate mode {mode}")
-        (codes, code_ptr), (scale_bytes, scale_ptr) = _address(payload), _address(scales)
-        status = self._lib.fp4_accumulate(
-            code_ptr, scale_ptr, numel, grid.data_ptr(), weight, mode, out.data_ptr()
-        )
-        del codes, scale_bytes  # kept alive across the call
-        return int(status)
+        return self.accumulate_many([FP4Add(payload, scales, grid, weight, mode)], numel, out)
 
     def accumulate_many(self, pushes: Sequence[FP4Add], numel: int, out: torch.Tensor) -> int:
         """`accumulate` of each push in turn, bit-identical, in one pass over `out` (the
         kernel adds them all to one cache-sized tile of it at a time); -1 (out untouched)
         if any has a NaN scale byte, else 0."""
-        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != numel:
-            raise ValueError(f"accumulate needs a contiguous float32 tensor of {numel} values")
         count, keep_alive = len(pushes), []
         codes, scales = (ctypes.c_void_p * count)(), (ctypes.c_void_p * count)()
         grids, weights = (ctypes.c_void_p * count)(), (ctypes.c_float * count)()
@@ -183,6 +169,8 @@ class Kernel:
             )
             keep_alive += [code_array, scale_array]
             grids[j], weights[j], modes[j] = push.grid.data_ptr(), push.weight, push.mode
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != numel:
+            raise ValueError(f"accumulate needs a contiguous float32 tensor of {numel} values")
         status = self._lib.fp4_accumulate_many(
             count, codes, scales, numel, grids, weights, modes, out.data_ptr()
         )

@@ -34,8 +34,8 @@ hold back up to server.fragment.DEFERRED_PUSHES accepted fp4 pushes (their recei
 held, PushBody.defer) and add them with the next one in a single pass (add_in_turn), the
 kernel adding every push to one cache-sized tile of the sum before the next tile; the
 per-element operations and their order are those of one add after another, so the sum is
-bit-identical. bench/ingest.py (server_paths) measures it against one add per push: 1.4x
-faster at 16 M values, even at 4 M, whose 16 MiB sum stays in this machine's 32 MiB L3.
+bit-identical. bench/ingest.py (server_paths) measures it against one add per push:
+1.06-1.5x faster over runs at 16 M values here, 1.1-1.3x at 4 M.
 
 Sparse pushes were decoded by the parser into their kept entries (a fraction of the values,
 in proportion to the payload): the norm reads those, and the add scatters them into a zeroed
