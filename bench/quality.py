@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,31 +35,32 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # The best learning rates of bench/quality_sweep.py lr (docs/RESULTS.md, "Tuned baselines").
 DP_LR = 2e-3
 INNER_LR = 2e-3
-# The headline rows: (codec, H, top-k fraction), fp4 against the sparse codec at one H; more
-# with --rows (each row adds 3 runs of ~5.5 CPU-minutes: the full benchmark stays within 30
-# minutes on 2 cores).
+# The headline rows (main sets their lr, steps and seed): fp4 against the sparse codec at one
+# H; more with --rows (each row adds 3 runs of ~5.5 CPU-minutes: the full benchmark stays
+# within 30 minutes on 2 cores).
 SPARSE_TOPK = 1 / 64  # SparseLoCo's 64 of every 4096 values
-# The last field, the outer lr, None: the codec's recipe (server/config.py).
-HEADLINE = [("fp4", 20, 0.0, None), ("sparse-2bit", 20, SPARSE_TOPK, None)]
-QUICK = [("fp4", 10, 0.0, None), ("sparse-2bit", 10, SPARSE_TOPK, None)]
+HEADLINE = [Row("fp4", h=20), Row("sparse-2bit", h=20, topk=SPARSE_TOPK)]
+QUICK = [Row("fp4", h=10), Row("sparse-2bit", h=10, topk=SPARSE_TOPK)]
 
 
-def parse_row(text: str) -> tuple[str, int, float, float | None]:
-    """A --rows entry: codec:H, codec:H:topk or codec:H:topk:outer_lr (fp4:50,
-    sparse-fp4:20:0.015625, fp4:5:0:0.35); without an outer lr, the codec's recipe's."""
+def parse_row(text: str) -> Row:
+    """A --rows entry: codec:H[:topk[:outer_lr[:apart]]] (fp4:50, sparse-fp4:20:0.015625,
+    fp4:5:0:0.35, sparse-2bit:5:0.015625::apart); without an outer lr, the codec's recipe's;
+    `apart`: sparse pushes keep their residual out of the local model (SparseLoCo's rule)."""
     parts = text.split(":")
     try:
-        if len(parts) not in (2, 3, 4):
-            raise ValueError("expected codec:H, codec:H:topk or codec:H:topk:outer_lr")
+        if not 2 <= len(parts) <= 5 or parts[4:] not in ([], ["apart"]):
+            raise ValueError("expected codec:H[:topk[:outer_lr[:apart]]]")
         codec, h = parts[0], int(parts[1])
         topk = float(parts[2]) if len(parts) > 2 else 0.0
-        outer_lr = float(parts[3]) if len(parts) > 3 else None
-        Row(codec, h=h, topk=topk).variant()  # an unknown codec raises here
+        outer_lr = float(parts[3]) if len(parts) > 3 and parts[3] else None
+        row = Row(codec, h=h, topk=topk, outer_lr=outer_lr, feedback_in_model=len(parts) < 5)
+        row.variant()  # an unknown codec raises here
         if h < 1 or not 0 <= topk <= 1 or not (outer_lr is None or outer_lr > 0):
             raise ValueError("H must be >= 1, topk in [0, 1] and the outer lr > 0")
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"bad row {text!r}: {err}") from None
-    return codec, h, topk, outer_lr
+    return row
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -205,8 +207,8 @@ def main() -> int:
         "--rows",
         nargs="+",
         type=parse_row,
-        help="DiLoCo rows as codec:H[:topk[:outer_lr]] (codecs: fp32, fp4, sparse-2bit, "
-        "sparse-fp4); "
+        help="DiLoCo rows as codec:H[:topk[:outer_lr[:apart]]] (codecs: fp32, fp4, "
+        "sparse-2bit, sparse-fp4); "
         "default: fp4:20 sparse-2bit:20:0.015625 (--quick: H 10)",
     )
     parser.add_argument("--workers", type=int, default=2, help="runs trained in parallel")
@@ -232,13 +234,9 @@ def main() -> int:
     args = parser.parse_args()
     steps = 150 if args.quick else 1000
     rows = [
-        Row(codec, h=h, topk=topk, lr=args.inner_lr, steps=steps, seed=seed, outer_lr=outer)
+        replace(row, lr=args.dp_lr if row.codec == "dp" else args.inner_lr, steps=steps, seed=seed)
         for seed in args.seeds
-        for codec, h, topk, outer in [("dp", 0, 0.0, None)]
-        + (args.rows or (QUICK if args.quick else HEADLINE))
-    ]
-    rows = [
-        Row("dp", lr=args.dp_lr, steps=steps, seed=r.seed) if r.codec == "dp" else r for r in rows
+        for row in [Row("dp")] + (args.rows or (QUICK if args.quick else HEADLINE))
     ]
     print(f"{len(rows)} runs of {steps} steps, seeds {args.seeds}", flush=True)
     started = time.perf_counter()

@@ -33,14 +33,16 @@ def lr_rows(args: argparse.Namespace) -> list[Row]:
     return [Row("dp", lr=lr, seed=s) for lr in args.dp_lrs for s in args.seeds] + [
         Row(
             args.codec,
-            h=args.h,
+            h=h,
             topk=args.topk,
             lr=lr,
             seed=s,
             outer_lr=o,
             feedback_decay=d,
+            feedback_in_model=not args.residual_apart,
             state_dtype=args.state_dtype,
         )  # fmt: skip
+        for h in args.h
         for lr in args.inner_lrs
         for o in args.outer_lrs or [None]
         for d in args.feedback_decays or [None]
@@ -56,8 +58,9 @@ def trend_rows(args: argparse.Namespace) -> list[Row]:
             for codec in args.codecs:
                 name, _, fraction = codec.partition(":")
                 topk = float(fraction or 0)
-                rows.append(
-                    Row(name, h=args.h, topk=topk, lr=args.inner_lr, steps=steps, seed=seed)
+                rows.extend(
+                    Row(name, h=h, topk=topk, lr=args.inner_lr, steps=steps, seed=seed)
+                    for h in args.h
                 )
     return rows
 
@@ -70,13 +73,17 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds of each row")
     parser.add_argument("--codec", default="fp4", help="lr: the DiLoCo row's codec")
     parser.add_argument("--topk", type=float, default=0.0, help="lr: its top-k fraction")
-    parser.add_argument("--h", type=int, default=20, help="H of the DiLoCo rows")
+    parser.add_argument("--h", type=int, nargs="+", default=[20], help="H of the DiLoCo rows")
     parser.add_argument(
         "--outer-lrs", type=float, nargs="*", default=[], help="lr: outer lrs (the recipe's)"
     )
     parser.add_argument(
         "--feedback-decays", type=float, nargs="*", default=[],
         help="lr: sparse pushes' residual decays (the learner's default)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--residual-apart", action="store_true",
+        help="lr: sparse pushes keep their residual out of the local model (SparseLoCo's rule)",
     )  # fmt: skip
     parser.add_argument(
         "--state-dtype", default="float32", help="lr: the server's outer_state_dtype"

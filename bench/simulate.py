@@ -71,6 +71,7 @@ class Variant:
     pull_codec: str = "fp32"
     topk_fraction: float = 0.0  # sparse codecs, both ways (0: the codec's default)
     push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY  # sparse pushes' residual decay
+    push_feedback_in_model: bool = True  # sparse pushes: the learner's default
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)
@@ -301,6 +302,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
             tokens_per_step=tokens_per_step,
             **({"push_topk_fraction": variant.topk_fraction} if variant.topk_fraction else {}),
             push_feedback_decay=variant.push_feedback_decay,
+            push_feedback_in_model=variant.push_feedback_in_model,
         )
         sync.load_globals()
         sampler = BatchSampler(train, setup.batch_size, setup.block_size, seed=data_seed(setup) + i)

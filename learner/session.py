@@ -244,6 +244,7 @@ class SyncSession:
             start_step=self.progress.inner_steps,  # push_phase counts inner steps
             push_topk_fraction=cfg.push_topk_fraction,
             push_feedback_decay=cfg.push_feedback_decay,
+            push_feedback_in_model=cfg.push_feedback_in_model,
             away=self.client.away,
         )
         for replica in replicas:

@@ -179,12 +179,17 @@ class StreamingSync:
         start_step: int = 0,
         push_topk_fraction: float = DEFAULT_TOPK_FRACTION,
         push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY,
+        push_feedback_in_model: bool = True,
         away: Callable[[], Collection[int]] = frozenset,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
         Otherwise (quorum, async) keep training and merge on arrival. A sparse `push_codec`
-        keeps `push_topk_fraction` of every chunk and feeds back what it leaves out, its
-        residual decayed by `push_feedback_decay` before each push. `away()`: the fragments
+        keeps `push_topk_fraction` of every chunk and feeds back what it leaves out (e), its
+        residual decayed by β = `push_feedback_decay`. `push_feedback_in_model`: the merge
+        takes the global value minus β·e, so the local model keeps the unsent progress and
+        trains on from it, and the next push's delta holds it already (nothing is added
+        again); otherwise the merge takes the global value and the push adds β·e to its
+        delta. Both send the same bytes. `away()`: the fragments
         whose shard does not know the session now (ShardedClient.away); their pushes are
         skipped, so that nothing waits for them, until the shard is joined again."""
         if not 0 <= merge_alpha <= 1:
@@ -196,6 +201,7 @@ class StreamingSync:
         self.push_codec = push_codec
         self.push_sparse_k = topk_k(push_topk_fraction)
         self.push_feedback_decay = push_feedback_decay
+        self.push_feedback_in_model = push_feedback_in_model and is_sparse(push_codec)
         # Sparse pushes: per fragment, what earlier pushes left out (error feedback). Held
         # for the learner's life; a restarted learner starts again from zeros.
         self.push_residuals: dict[int, list[torch.Tensor]] = {}
@@ -259,9 +265,21 @@ class StreamingSync:
         if fragment not in self.push_residuals:
             self.push_residuals[fragment] = [torch.zeros_like(d) for d in deltas]
         residuals = self.push_residuals[fragment]
-        return fragment_with_feedback(
-            deltas, self.push_codec, self.push_sparse_k, residuals, self.push_feedback_decay
-        )
+        # In-model feedback: the delta already holds β·e (the merge put it in the model).
+        decay = 0.0 if self.push_feedback_in_model else self.push_feedback_decay
+        return fragment_with_feedback(deltas, self.push_codec, self.push_sparse_k, residuals, decay)
+
+    def merge_target(self, replica: FragmentReplica) -> list[torch.Tensor]:
+        """What the merge moves the local fragment towards: the global value, less the
+        decayed unsent residual where the learner keeps its feedback in the model."""
+        residuals = self.push_residuals.get(replica.fragment_id)
+        if not self.push_feedback_in_model or residuals is None:
+            return replica.params
+        beta = self.push_feedback_decay
+        return [
+            g.to(e.device) - beta * e.view_as(g)
+            for g, e in zip(replica.params, residuals, strict=True)
+        ]
 
     def merge_phase(self, step: int) -> list[int]:
         """Merge the fragments due after this step; wait for one that is not back only in
@@ -278,7 +296,7 @@ class StreamingSync:
                 continue  # the fragment is synced again when its shard is joined again
             replica = self.replicas[p]
             replica.apply(reply)
-            merge(self.local(replica), replica.params, self.merge_alpha)
+            merge(self.local(replica), self.merge_target(replica), self.merge_alpha)
             self.stats.syncs += 1
             self.stats.late_merges += due < step
             self.stats.pull_bytes += len(reply.payload)
@@ -298,12 +316,19 @@ class StreamingSync:
         self._in_flight.pop(replica.fragment_id, None)
         self.replicas[replica.fragment_id] = replica
         if not keep_local:
-            merge(self.local(replica), replica.params, alpha=0.0)
+            self._take_global(replica)
 
     def load_globals(self, keep: Collection[int] = ()) -> None:
         """Set the local parameters to the global replicas exactly (at start or re-sync),
         but for the fragments in `keep` (their shard is away: no global value to take)."""
         for replica in self.replicas:
             if replica.fragment_id not in keep:
-                merge(self.local(replica), replica.params, alpha=0.0)
+                self._take_global(replica)
         self._in_flight.clear()
+
+    def _take_global(self, replica: FragmentReplica) -> None:
+        """Local fragment := its global value exactly. In-model feedback: the unsent
+        progress the model held is gone with it, so its residual is dropped too."""
+        merge(self.local(replica), replica.params, alpha=0.0)
+        if self.push_feedback_in_model:
+            self.push_residuals.pop(replica.fragment_id, None)

@@ -27,6 +27,19 @@ def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:
     assert quality_runs.cache_key(swept.setup(), swept.variant()) != key
 
 
+def test_the_residual_rule_is_part_of_a_sparse_rows_key_and_absent_from_a_dense_rows() -> None:
+    """Kept in the model (the default) is its own run; apart, the key has no such setting, so
+    runs cached before the setting existed stay reusable as the apart rows they were."""
+    key = quality_runs.cache_key
+    model = Row("sparse-2bit", h=5, topk=1 / 64)
+    apart = Row("sparse-2bit", h=5, topk=1 / 64, feedback_in_model=False)
+    assert '"push_feedback_in_model": true' in key(model.setup(), model.variant())
+    assert "push_feedback_in_model" not in key(apart.setup(), apart.variant())
+    dense = Row("fp4", h=5)
+    assert "push_feedback_in_model" not in key(dense.setup(), dense.variant())
+    assert Row("fp4", h=5, feedback_in_model=False).method == dense.method
+
+
 def test_a_state_dtype_row_is_its_own_run_and_float32_keeps_the_cached_key() -> None:
     plain = Row("fp4", h=20, lr=2e-3)
     compact = Row("fp4", h=20, lr=2e-3, state_dtype="bfloat16")
@@ -62,7 +75,7 @@ def test_the_trend_has_every_row_at_every_step_count_and_seed() -> None:
     from bench.quality_sweep import trend_rows
 
     args = argparse.Namespace(
-        seeds=[0, 1], steps_list=[1000, 3000], codecs=["fp4", "sparse-2bit:0.015625"], h=20,
+        seeds=[0, 1], steps_list=[1000, 3000], codecs=["fp4", "sparse-2bit:0.015625"], h=[20],
         dp_lr=2e-3, inner_lr=2e-3,
     )  # fmt: skip
     rows = trend_rows(args)
@@ -193,10 +206,16 @@ def test_the_benchmark_writes_every_row_over_its_seeds(tmp_path, monkeypatch, qu
     assert (tmp_path / "quality_tradeoff.png").exists() != quick
 
 
-def test_rows_are_given_as_codec_h_topk_and_outer_lr() -> None:
-    assert quality.parse_row("sparse-fp4:20:0.015625") == ("sparse-fp4", 20, 0.015625, None)
-    assert quality.parse_row("fp32:50") == ("fp32", 50, 0.0, None)
-    assert quality.parse_row("fp4:5:0:0.35") == ("fp4", 5, 0.0, 0.35)
+def test_rows_are_given_as_codec_h_topk_outer_lr_and_residual_rule() -> None:
+    row = quality.parse_row("sparse-fp4:20:0.015625")
+    assert row == Row("sparse-fp4", h=20, topk=0.015625) and row.feedback_in_model
+    assert quality.parse_row("fp32:50") == Row("fp32", h=50)
+    assert quality.parse_row("fp4:5:0:0.35") == Row("fp4", h=5, outer_lr=0.35)
+    apart = quality.parse_row("sparse-2bit:5:0.015625::apart")
+    assert apart == Row("sparse-2bit", h=5, topk=0.015625, feedback_in_model=False)
+    assert (
+        apart.method.endswith("residual apart") and apart.variant().push_feedback_in_model is False
+    )
     for bad, why in [("fp4", "expected codec:H"), ("fp3:20", "unknown codec"), ("fp4:0", "H must"),
                      ("fp4:5:0:0", "outer lr"), ("fp4:5:0:1:2", "expected")]:  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=why):

@@ -260,18 +260,25 @@ class RecordingTransport:
         return True
 
 
-def test_sparse_pushes_carry_what_earlier_pushes_left_out() -> None:
-    """Each push sends S(Δ + e) and keeps e ← Δ + e − S(Δ + e): over the pushes, what was sent
-    plus what is held equals the sum of the pseudo-gradients."""
-    shape = (3, 5000)
+def sparse_learner(in_model: bool, shape: tuple[int, int], merge_alpha=0.0, decay=0.9):
+    """One fragment of `shape` pushed in sparse_2bit (1/32) every step to a server that
+    never moves."""
     params = [torch.zeros(shape)]
     replica = FragmentReplica(0, [0], [shape])
     replica.params, replica.version = [torch.zeros(shape)], 0
     transport = RecordingTransport([replica])
     sync = StreamingSync(
-        params, [replica], Schedule(1), transport, "sparse_2bit", merge_alpha=1.0,
-        push_topk_fraction=1 / 32, push_feedback_decay=1.0,
+        params, [replica], Schedule(1), transport, "sparse_2bit", merge_alpha=merge_alpha,
+        push_topk_fraction=1 / 32, push_feedback_decay=decay, push_feedback_in_model=in_model,
     )  # fmt: skip
+    return params, replica, transport, sync
+
+
+def test_sparse_pushes_carry_what_earlier_pushes_left_out() -> None:
+    """Residual apart from the model: each push sends S(Δ + e) and keeps e ← Δ + e − S(Δ + e);
+    over the pushes, what was sent plus what is held equals the sum of the pseudo-gradients."""
+    shape = (3, 5000)
+    params, _, transport, sync = sparse_learner(False, shape, merge_alpha=1.0, decay=1.0)
     total = torch.zeros(shape, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
     for step in range(1, 6):
@@ -284,3 +291,38 @@ def test_sparse_pushes_carry_what_earlier_pushes_left_out() -> None:
     sent = sum(p[0] for p in transport.pushed)
     (residual,) = sync.push_residuals[0]
     torch.testing.assert_close((sent + residual).double(), total, atol=1e-4, rtol=0)
+
+
+def test_in_model_feedback_merges_towards_global_less_residual_and_sends_the_same() -> None:
+    """The merge takes θ_global − β·e, so training goes on from the unsent progress; the next
+    push's Δ holds β·e already, and what it sends is what the rule with the residual apart
+    sends (S(β·e + Δ)): the same bytes and, but for rounding, the same values."""
+    shape = (3, 5000)
+    runs = {in_model: sparse_learner(in_model, shape) for in_model in (True, False)}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, 6):
+        move = torch.randn(shape, generator=gen)  # the same "training" for both learners
+        for params, replica, _, sync in runs.values():
+            with torch.no_grad():
+                params[0].add_(move)
+            sync.push_phase(step)
+            before = [e.clone() for e in sync.push_residuals[0]]
+            sync.merge_phase(step)
+            held = 0.9 * before[0] if sync.push_feedback_in_model else torch.zeros(shape)
+            assert torch.equal(params[0], replica.params[0] - held)
+    (kept, _, in_model, _), (_, _, apart, _) = runs[True], runs[False]
+    sizes = [[p[0].count_nonzero() for p in t.pushed] for t in (in_model, apart)]
+    assert sizes[0] == sizes[1] == [kept_total(15000, 128)] * 5
+    for a, b in zip(in_model.pushed, apart.pushed, strict=True):
+        torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(kept[0], torch.zeros(shape))  # the model holds the unsent part
+
+
+def test_taking_the_global_value_drops_the_residual_the_model_held() -> None:
+    params, replica, _, sync = sparse_learner(True, (2, 4096))
+    with torch.no_grad():
+        params[0].add_(torch.randn(2, 4096, generator=torch.Generator().manual_seed(2)))
+    sync.push_phase(1)
+    assert 0 in sync.push_residuals
+    sync.load_globals()
+    assert torch.equal(params[0], replica.params[0]) and sync.push_residuals == {}
