@@ -59,9 +59,10 @@ def trend_rows(args: argparse.Namespace) -> list[Row]:
                 name, _, fraction = codec.partition(":")
                 topk = float(fraction or 0)
                 rows.extend(
-                    Row(name, h=h, topk=topk, lr=args.inner_lr, steps=steps, seed=seed)
+                    Row(name, h=h, topk=topk, lr=args.inner_lr, steps=steps, seed=seed,
+                        feedback_in_model=not args.residual_apart)
                     for h in args.h
-                )
+                )  # fmt: skip
     return rows
 
 
@@ -83,7 +84,7 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument(
         "--residual-apart", action="store_true",
-        help="lr: sparse pushes keep their residual out of the local model (SparseLoCo's rule)",
+        help="sparse pushes keep their residual out of the local model (SparseLoCo's rule)",
     )  # fmt: skip
     parser.add_argument(
         "--state-dtype", default="float32", help="lr: the server's outer_state_dtype"

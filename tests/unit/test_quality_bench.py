@@ -76,12 +76,15 @@ def test_the_trend_has_every_row_at_every_step_count_and_seed() -> None:
 
     args = argparse.Namespace(
         seeds=[0, 1], steps_list=[1000, 3000], codecs=["fp4", "sparse-2bit:0.015625"], h=[20],
-        dp_lr=2e-3, inner_lr=2e-3,
+        dp_lr=2e-3, inner_lr=2e-3, residual_apart=False,
     )  # fmt: skip
     rows = trend_rows(args)
     assert len(rows) == 2 * 2 * 3 and len(set(rows)) == len(rows)
     assert Row("sparse-2bit", h=20, topk=0.015625, lr=2e-3, steps=3000, seed=1) in rows
     assert Row("dp", lr=2e-3, steps=1000, seed=1) in rows
+    args.residual_apart = True
+    sparse = [row for row in trend_rows(args) if row.codec == "sparse-2bit"]
+    assert len(sparse) == 4 and not any(row.feedback_in_model for row in sparse)
 
 
 def test_a_row_is_a_codec_name_h_and_learning_rate() -> None:
