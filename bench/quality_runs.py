@@ -60,7 +60,8 @@ class Row:
         outer = "" if self.outer_lr is None else f" outer lr {self.outer_lr:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
-        apart = "" if self.feedback_in_model or not self.topk else " residual apart"
+        sparse = is_sparse(WIRE.get(self.codec, ""))
+        apart = "" if self.feedback_in_model or not sparse else " residual apart"
         return f"{self.codec}{k} H={self.h} lr {self.lr:g}{outer}{decay}{apart}{state}"
 
     def setup(self, quick: bool = False, **kw) -> Setup:

@@ -196,3 +196,28 @@ def test_one_learners_step_time_counts_at_most_ten_times_the_others() -> None:
     assert median_step_time_s([0.1, 3000.0]) == pytest.approx(0.55)  # 3000 counts as 1.0
     assert median_step_time_s([0.1, 0.12, 3000.0]) == pytest.approx(0.12)
     assert median_step_time_s([0.1, 0.2, 0.3, 0.4]) == pytest.approx(0.25)  # honest: as is
+
+
+@pytest.mark.parametrize("in_model", [True, False])
+def test_a_join_gives_the_sync_the_configured_residual_rule(monkeypatch, in_model) -> None:
+    """--no-push-feedback-in-model reaches the StreamingSync a join builds."""
+    from types import SimpleNamespace
+
+    from learner.streaming import FragmentReplica
+
+    config = build_config(
+        DilocoSyncConfig,
+        {"learner_id": "x", "insecure": True, "sync_every_steps": 8,
+         "push_codec": "sparse_2bit", "push_feedback_in_model": in_model},
+    )  # fmt: skip
+    s = SyncSession(config, [torch.zeros(4)], [], Progress(learner_id="x"), tokens_per_step=1)
+    replica = FragmentReplica(0, [0], [(4,)])
+    replica.params, replica.version = [torch.zeros(4)], 0
+    reply = SimpleNamespace(session_id=1, fragments=[], mode="sync", schedule_step=0,
+                            server_epoch=1, layout="strided")  # fmt: skip
+    monkeypatch.setattr(s.client, "join", lambda *args: reply)
+    monkeypatch.setattr(s.client, "away", lambda: set())
+    monkeypatch.setattr(s.replicas, "load", lambda *args: ([replica], set()))
+    s._join()
+    assert s.sync.push_feedback_in_model is in_model
+    s.client.close()

@@ -29,7 +29,7 @@ def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:
 
 def test_the_residual_rule_is_part_of_a_sparse_rows_key_and_absent_from_a_dense_rows() -> None:
     """Kept in the model (the default) is its own run; apart, the key has no such setting, so
-    runs cached before the setting existed stay reusable as the apart rows they were."""
+    a cache whose sparse runs carry no such setting holds apart runs."""
     key = quality_runs.cache_key
     model = Row("sparse-2bit", h=5, topk=1 / 64)
     apart = Row("sparse-2bit", h=5, topk=1 / 64, feedback_in_model=False)
@@ -38,6 +38,8 @@ def test_the_residual_rule_is_part_of_a_sparse_rows_key_and_absent_from_a_dense_
     dense = Row("fp4", h=5)
     assert "push_feedback_in_model" not in key(dense.setup(), dense.variant())
     assert Row("fp4", h=5, feedback_in_model=False).method == dense.method
+    recipe_k = Row("sparse-2bit", h=5, feedback_in_model=False)  # the codec's own top-k
+    assert recipe_k.method.endswith("residual apart")
 
 
 def test_a_state_dtype_row_is_its_own_run_and_float32_keeps_the_cached_key() -> None:
