@@ -180,8 +180,10 @@ def release() -> Iterator[threading.Event]:
 
 def test_silent_pushes_are_cut_and_leases_hold(start_server_process, release) -> None:
     """Twice as many silent pushes as worker threads: each is cut after the idle timeout,
-    and a learner heartbeating on its own connection meanwhile keeps its lease."""
+    and a learner heartbeating on its own connection meanwhile keeps its lease. The
+    whole-stream bound is off (0), so on a loaded machine it cannot fire first."""
     flags = ("--lease-s", "5", "--worker-threads", "4", "--stream-idle-timeout-s", "1")
+    flags += ("--stream-min-bytes-per-s", "0")
     server = start_server_process(*flags)
     with (
         create_channel(f"127.0.0.1:{server.port}") as channel,
