@@ -45,10 +45,10 @@ bench-quality-quick: $(BENCH_STAMP)
 	$(BIN)/python bench/quality.py --quick
 
 # The learning-rate sweeps behind bench/quality.py's settings, then the 1,000 vs 3,000 step trend
-# (its sparse row with the residual apart from the model, as measured in docs/RESULTS.md).
+# of fp4 and the sparse row (docs/RESULTS.md).
 bench-quality-sweep: $(BENCH_STAMP)
 	$(BIN)/python bench/quality_sweep.py lr
-	$(BIN)/python bench/quality_sweep.py trend --residual-apart
+	$(BIN)/python bench/quality_sweep.py trend --codecs fp4 sparse-2bit:0.015625
 
 bench-decoupled: $(BENCH_STAMP)
 	$(BIN)/python bench/decoupled.py

@@ -44,17 +44,18 @@ QUICK = [Row("fp4", h=10), Row("sparse-2bit", h=10, topk=SPARSE_TOPK)]
 
 
 def parse_row(text: str) -> Row:
-    """A --rows entry: codec:H[:topk[:outer_lr[:apart]]] (fp4:50, sparse-fp4:20:0.015625,
-    fp4:5:0:0.35, sparse-2bit:5:0.015625::apart); without an outer lr, the codec's recipe's;
-    `apart`: sparse pushes keep their residual out of the local model (SparseLoCo's rule)."""
+    """A --rows entry: codec:H[:topk[:outer_lr[:inmodel]]] (fp4:50, sparse-fp4:20:0.015625,
+    fp4:5:0:0.35, sparse-2bit:5:0.015625::inmodel); without an outer lr, the codec's recipe's;
+    `inmodel`: sparse pushes keep their residual in the local model too (the learner's
+    --push-feedback-in-model)."""
     parts = text.split(":")
     try:
-        if not 2 <= len(parts) <= 5 or parts[4:] not in ([], ["apart"]):
-            raise ValueError("expected codec:H[:topk[:outer_lr[:apart]]]")
+        if not 2 <= len(parts) <= 5 or parts[4:] not in ([], ["inmodel"]):
+            raise ValueError("expected codec:H[:topk[:outer_lr[:inmodel]]]")
         codec, h = parts[0], int(parts[1])
         topk = float(parts[2]) if len(parts) > 2 else 0.0
         outer_lr = float(parts[3]) if len(parts) > 3 and parts[3] else None
-        row = Row(codec, h=h, topk=topk, outer_lr=outer_lr, feedback_in_model=len(parts) < 5)
+        row = Row(codec, h=h, topk=topk, outer_lr=outer_lr, feedback_in_model=len(parts) == 5)
         row.variant()  # an unknown codec raises here
         if h < 1 or not 0 <= topk <= 1 or not (outer_lr is None or outer_lr > 0):
             raise ValueError("H must be >= 1, topk in [0, 1] and the outer lr > 0")
@@ -207,7 +208,7 @@ def main() -> int:
         "--rows",
         nargs="+",
         type=parse_row,
-        help="DiLoCo rows as codec:H[:topk[:outer_lr[:apart]]] (codecs: fp32, fp4, "
+        help="DiLoCo rows as codec:H[:topk[:outer_lr[:inmodel]]] (codecs: fp32, fp4, "
         "sparse-2bit, sparse-fp4); "
         "default: fp4:20 sparse-2bit:20:0.015625 (--quick: H 10)",
     )

@@ -3,10 +3,10 @@
 Every DiLoCo row is Streaming DiLoCo with the daemons' best recipe (P = 4 strided fragments,
 τ = 1, merge α = 0.05, the outer Nesterov at lr 0.7 and momentum 0.9 warmed up from 0.5 over
 20 rounds; sparse codecs: server/config.py's SPARSE_OUTER step instead, pulls that keep
-twice the push's top-k fraction and the learners' decayed error-feedback residual, kept in
-their local models); rows
-differ only in the codec both ways, its top-k fraction (sparse codecs), H, the inner
-learning rate, the step count and the seed. Runs are deterministic (the same row gives the
+twice the push's top-k fraction and the learners' decayed error-feedback residual, apart
+from their local models unless a row keeps it there); rows differ only in the codec both
+ways, its top-k fraction (sparse codecs), H, the inner learning rate, the step count and the
+seed. Runs are deterministic (the same row gives the
 same numbers on the same machine), so finished runs are kept in a cache file keyed by the
 full setup and variant and reused by bench/quality.py and bench/quality_sweep.py.
 """
@@ -48,7 +48,7 @@ class Row:
     seed: int = 0
     outer_lr: float | None = None  # None: the recipe's (sweeps only)
     feedback_decay: float | None = None  # sparse pushes' residual decay; None: the default
-    feedback_in_model: bool = True  # sparse pushes' residual kept in the local model too
+    feedback_in_model: bool = False  # sparse pushes' residual kept in the local model too
     state_dtype: str = "float32"  # the server's outer_state_dtype
 
     @property
@@ -61,8 +61,8 @@ class Row:
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
         sparse = is_sparse(WIRE.get(self.codec, ""))
-        apart = "" if self.feedback_in_model or not sparse else " residual apart"
-        return f"{self.codec}{k} H={self.h} lr {self.lr:g}{outer}{decay}{apart}{state}"
+        kept = " residual in model" if self.feedback_in_model and sparse else ""
+        return f"{self.codec}{k} H={self.h} lr {self.lr:g}{outer}{decay}{kept}{state}"
 
     def setup(self, quick: bool = False, **kw) -> Setup:
         """The run's Setup; `kw` sets more of its fields (n_embd, device, lr_schedule)."""
@@ -101,8 +101,8 @@ class Row:
             variant = replace(variant, outer_lr=self.outer_lr)
         if self.feedback_decay is not None:
             variant = replace(variant, push_feedback_decay=self.feedback_decay)
-        if not self.feedback_in_model:
-            variant = replace(variant, push_feedback_in_model=False)
+        if self.feedback_in_model:
+            variant = replace(variant, push_feedback_in_model=True)
         if self.state_dtype != "float32":
             server = {**variant.server, "outer_state_dtype": self.state_dtype}
             variant = replace(variant, server=server)

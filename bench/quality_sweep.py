@@ -39,7 +39,7 @@ def lr_rows(args: argparse.Namespace) -> list[Row]:
             seed=s,
             outer_lr=o,
             feedback_decay=d,
-            feedback_in_model=not args.residual_apart,
+            feedback_in_model=args.residual_in_model,
             state_dtype=args.state_dtype,
         )  # fmt: skip
         for h in args.h
@@ -60,7 +60,7 @@ def trend_rows(args: argparse.Namespace) -> list[Row]:
                 topk = float(fraction or 0)
                 rows.extend(
                     Row(name, h=h, topk=topk, lr=args.inner_lr, steps=steps, seed=seed,
-                        feedback_in_model=not args.residual_apart)
+                        feedback_in_model=args.residual_in_model)
                     for h in args.h
                 )  # fmt: skip
     return rows
@@ -83,8 +83,8 @@ def main() -> int:
         help="lr: sparse pushes' residual decays (the learner's default)",
     )  # fmt: skip
     parser.add_argument(
-        "--residual-apart", action="store_true",
-        help="sparse pushes keep their residual out of the local model (SparseLoCo's rule)",
+        "--residual-in-model", action="store_true",
+        help="sparse pushes keep their residual in the local model too (not SparseLoCo's rule)",
     )  # fmt: skip
     parser.add_argument(
         "--state-dtype", default="float32", help="lr: the server's outer_state_dtype"

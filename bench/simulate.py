@@ -71,7 +71,7 @@ class Variant:
     pull_codec: str = "fp32"
     topk_fraction: float = 0.0  # sparse codecs, both ways (0: the codec's default)
     push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY  # sparse pushes' residual decay
-    push_feedback_in_model: bool = True  # sparse pushes: the learner's default
+    push_feedback_in_model: bool = False  # sparse pushes: the learner's default
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)

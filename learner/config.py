@@ -73,8 +73,7 @@ RECIPES = ("best", "paper")
 def sync_recipe(values: Mapping[str, Any]) -> dict[str, Any]:
     """The sync settings of the recipe named in `values` (the dataclass defaults are best)."""
     if values.get("recipe") == "paper":
-        paper = {"sync_every_steps": 100, "merge_alpha": 0.5, "push_codec": "fp4_e3m0"}
-        return {**paper, "push_feedback_in_model": False}  # sparse pushes: SparseLoCo's rule
+        return {"sync_every_steps": 100, "merge_alpha": 0.5, "push_codec": "fp4_e3m0"}
     return {}
 
 
@@ -85,8 +84,7 @@ class SyncConfig:
     recipe: str = "best"
     """best: the defaults below, the best measured training from scratch (docs/RESULTS.md);
     paper: the Streaming DiLoCo paper's H = 100, α = 0.5 and fp4_e3m0 pushes for the
-    settings not given, and SparseLoCo's residual rule for sparse pushes (pair it with the
-    server's --recipe paper)."""
+    settings not given (pair it with the server's --recipe paper)."""
     sync_every_steps: int = 50
     """H: inner steps between two pushes of the same fragment."""
     overlap_steps: int = 1
@@ -102,10 +100,11 @@ class SyncConfig:
     """Sparse push codecs: β in e ← β·e + Δ, the error-feedback residual's decay before each
     push adds its pseudo-gradient (SparseLoCo's momentum-like accumulator; 1: no decay).
     Pair it with the server's outer step for sparse pulls (docs/RESULTS.md, sparse)."""
-    push_feedback_in_model: bool = True
+    push_feedback_in_model: bool = False
     """Sparse push codecs: keep the unsent residual in the local model (the merge takes the
     global value less β·e, and the learner trains on from there), not only in the error
-    feedback; the same bytes, a lower loss (docs/RESULTS.md). Off: SparseLoCo's rule."""
+    feedback. The same bytes; a lower loss in runs of up to ~1,500 steps, a higher one after
+    (docs/RESULTS.md). Off: SparseLoCo's rule, the residual apart from the model."""
     dynamic_local_updates: bool = False
     """quorum/async: a learner k times slower than the live learners' median step time
     advances its schedule k steps per inner step, so it syncs after k times fewer steps of

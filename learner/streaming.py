@@ -179,7 +179,7 @@ class StreamingSync:
         start_step: int = 0,
         push_topk_fraction: float = DEFAULT_TOPK_FRACTION,
         push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY,
-        push_feedback_in_model: bool = True,
+        push_feedback_in_model: bool = False,
         away: Callable[[], Collection[int]] = frozenset,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.

@@ -282,8 +282,9 @@ def test_sparse_pulls_default_to_the_plain_outer_step_and_pushes_to_a_decayed_re
     assert (dense.outer_momentum, dense.outer_lr) == (0.9, 0.7)
     assert build_config(AggregatorConfig, {}).streaming.pull_topk_fraction == 1 / 64
     assert build_config(LearnerConfig, {}).sync.push_feedback_decay == 0.95
-    assert build_config(LearnerConfig, {}).sync.push_feedback_in_model
+    assert not build_config(LearnerConfig, {}).sync.push_feedback_in_model
     assert not build_config(LearnerConfig, {"recipe": "paper"}).sync.push_feedback_in_model
+    assert build_config(LearnerConfig, {"push_feedback_in_model": True}).sync.push_feedback_in_model
     with pytest.raises(ValueError, match="push_feedback_decay must be in \\[0, 1\\], got 1.5"):
         build_config(LearnerConfig, {"push_feedback_decay": 1.5})
 

@@ -200,7 +200,7 @@ def test_one_learners_step_time_counts_at_most_ten_times_the_others() -> None:
 
 @pytest.mark.parametrize("in_model", [True, False])
 def test_a_join_gives_the_sync_the_configured_residual_rule(monkeypatch, in_model) -> None:
-    """--no-push-feedback-in-model reaches the StreamingSync a join builds."""
+    """--push-feedback-in-model (or its absence) reaches the StreamingSync a join builds."""
     from types import SimpleNamespace
 
     from learner.streaming import FragmentReplica

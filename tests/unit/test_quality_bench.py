@@ -28,18 +28,19 @@ def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:
 
 
 def test_the_residual_rule_is_part_of_a_sparse_rows_key_and_absent_from_a_dense_rows() -> None:
-    """Kept in the model (the default) is its own run; apart, the key has no such setting, so
+    """Kept in the model is its own run; apart (the default), the key has no such setting, so
     a cache whose sparse runs carry no such setting holds apart runs."""
     key = quality_runs.cache_key
-    model = Row("sparse-2bit", h=5, topk=1 / 64)
-    apart = Row("sparse-2bit", h=5, topk=1 / 64, feedback_in_model=False)
+    model = Row("sparse-2bit", h=5, topk=1 / 64, feedback_in_model=True)
+    apart = Row("sparse-2bit", h=5, topk=1 / 64)
     assert '"push_feedback_in_model": true' in key(model.setup(), model.variant())
     assert "push_feedback_in_model" not in key(apart.setup(), apart.variant())
     dense = Row("fp4", h=5)
     assert "push_feedback_in_model" not in key(dense.setup(), dense.variant())
-    assert Row("fp4", h=5, feedback_in_model=False).method == dense.method
-    recipe_k = Row("sparse-2bit", h=5, feedback_in_model=False)  # the codec's own top-k
-    assert recipe_k.method.endswith("residual apart")
+    assert Row("fp4", h=5, feedback_in_model=True).method == dense.method
+    assert model.method == apart.method + " residual in model"
+    recipe_k = Row("sparse-2bit", h=5, feedback_in_model=True)  # the codec's own top-k
+    assert recipe_k.method.endswith("residual in model")
 
 
 def test_a_state_dtype_row_is_its_own_run_and_float32_keeps_the_cached_key() -> None:
@@ -78,15 +79,16 @@ def test_the_trend_has_every_row_at_every_step_count_and_seed() -> None:
 
     args = argparse.Namespace(
         seeds=[0, 1], steps_list=[1000, 3000], codecs=["fp4", "sparse-2bit:0.015625"], h=[20],
-        dp_lr=2e-3, inner_lr=2e-3, residual_apart=False,
+        dp_lr=2e-3, inner_lr=2e-3, residual_in_model=False,
     )  # fmt: skip
     rows = trend_rows(args)
     assert len(rows) == 2 * 2 * 3 and len(set(rows)) == len(rows)
     assert Row("sparse-2bit", h=20, topk=0.015625, lr=2e-3, steps=3000, seed=1) in rows
     assert Row("dp", lr=2e-3, steps=1000, seed=1) in rows
-    args.residual_apart = True
+    assert not any(row.feedback_in_model for row in rows)
+    args.residual_in_model = True
     sparse = [row for row in trend_rows(args) if row.codec == "sparse-2bit"]
-    assert len(sparse) == 4 and not any(row.feedback_in_model for row in sparse)
+    assert len(sparse) == 4 and all(row.feedback_in_model for row in sparse)
 
 
 def test_a_row_is_a_codec_name_h_and_learning_rate() -> None:
@@ -213,14 +215,13 @@ def test_the_benchmark_writes_every_row_over_its_seeds(tmp_path, monkeypatch, qu
 
 def test_rows_are_given_as_codec_h_topk_outer_lr_and_residual_rule() -> None:
     row = quality.parse_row("sparse-fp4:20:0.015625")
-    assert row == Row("sparse-fp4", h=20, topk=0.015625) and row.feedback_in_model
+    assert row == Row("sparse-fp4", h=20, topk=0.015625) and not row.feedback_in_model
+    assert row.variant().push_feedback_in_model is False
     assert quality.parse_row("fp32:50") == Row("fp32", h=50)
     assert quality.parse_row("fp4:5:0:0.35") == Row("fp4", h=5, outer_lr=0.35)
-    apart = quality.parse_row("sparse-2bit:5:0.015625::apart")
-    assert apart == Row("sparse-2bit", h=5, topk=0.015625, feedback_in_model=False)
-    assert (
-        apart.method.endswith("residual apart") and apart.variant().push_feedback_in_model is False
-    )
+    kept = quality.parse_row("sparse-2bit:5:0.015625::inmodel")
+    assert kept == Row("sparse-2bit", h=5, topk=0.015625, feedback_in_model=True)
+    assert kept.method.endswith("residual in model") and kept.variant().push_feedback_in_model
     for bad, why in [("fp4", "expected codec:H"), ("fp3:20", "unknown codec"), ("fp4:0", "H must"),
                      ("fp4:5:0:0", "outer lr"), ("fp4:5:0:1:2", "expected")]:  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=why):
