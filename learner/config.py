@@ -103,8 +103,8 @@ class SyncConfig:
     push_feedback_in_model: bool = False
     """Sparse push codecs: keep the unsent residual in the local model (the merge takes the
     global value less β·e, and the learner trains on from there), not only in the error
-    feedback. The same bytes; a lower loss in runs of up to ~1,500 steps, a higher one after
-    (docs/RESULTS.md). Off: SparseLoCo's rule, the residual apart from the model."""
+    feedback. The same bytes; a lower loss from a few hundred steps to ~1,600-1,800, then a
+    higher one at H = 20 (docs/RESULTS.md). Off: SparseLoCo's rule, the residual apart."""
     dynamic_local_updates: bool = False
     """quorum/async: a learner k times slower than the live learners' median step time
     advances its schedule k steps per inner step, so it syncs after k times fewer steps of
