@@ -6,9 +6,9 @@ Every DiLoCo row is Streaming DiLoCo with the daemons' best recipe (P = 4 stride
 twice the push's top-k fraction and the learners' decayed error-feedback residual, apart
 from their local models unless a row keeps it there); rows differ only in the codec both
 ways, its top-k fraction (sparse codecs), H, the inner learning rate, the step count and the
-seed. Runs are deterministic (the same row gives the
-same numbers on the same machine), so finished runs are kept in a cache file keyed by the
-full setup and variant and reused by bench/quality.py and bench/quality_sweep.py.
+seed. Runs are deterministic (the same row gives the same numbers on the same machine), so
+finished runs are kept in a cache file keyed by the full setup and variant and reused by
+bench/quality.py and bench/quality_sweep.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from bench.simulate import Result, Setup, Variant, run_variant
 from common.codec import is_sparse
+from common.sparse import DEFAULT_FEEDBACK_IN_MODEL
 from server.config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
 
 # The wire codec names the rows use, and the common/codec.py codecs they send each way.
@@ -48,7 +49,7 @@ class Row:
     seed: int = 0
     outer_lr: float | None = None  # None: the recipe's (sweeps only)
     feedback_decay: float | None = None  # sparse pushes' residual decay; None: the default
-    feedback_in_model: bool = False  # sparse pushes' residual kept in the local model too
+    feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL  # residual kept in the local model too
     state_dtype: str = "float32"  # the server's outer_state_dtype
 
     @property
@@ -101,8 +102,7 @@ class Row:
             variant = replace(variant, outer_lr=self.outer_lr)
         if self.feedback_decay is not None:
             variant = replace(variant, push_feedback_decay=self.feedback_decay)
-        if self.feedback_in_model:
-            variant = replace(variant, push_feedback_in_model=True)
+        variant = replace(variant, push_feedback_in_model=self.feedback_in_model)
         if self.state_dtype != "float32":
             server = {**variant.server, "outer_state_dtype": self.state_dtype}
             variant = replace(variant, server=server)

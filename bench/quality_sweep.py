@@ -1,8 +1,7 @@
 """The learning-rate sweeps and the step-count trend behind bench/quality.py's settings.
 
     python bench/quality_sweep.py lr       # data-parallel's lr and the learners' inner lr
-    python bench/quality_sweep.py trend --codecs fp4 sparse-2bit:0.015625  # at 1,000 and 3,000
-                                           # steps (--seeds)
+    python bench/quality_sweep.py trend --codecs fp4 sparse-2bit:0.015625  # 1,000, 3,000 steps
     python bench/quality_sweep.py lr --dp-lrs --codec sparse-2bit --topk 0.015625 \
         --inner-lrs 2e-3 --outer-lrs 1 2 4 --feedback-decays 0.9 0.95 0.98   # sparse's outer step
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from common.sparse import DEFAULT_FEEDBACK_DECAY
+from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_FEEDBACK_IN_MODEL
 from common.wire import decode_fragment
 from learner.data import BatchSampler, load_corpus
 from learner.model import GPT, GPTConfig
@@ -71,7 +71,7 @@ class Variant:
     pull_codec: str = "fp32"
     topk_fraction: float = 0.0  # sparse codecs, both ways (0: the codec's default)
     push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY  # sparse pushes' residual decay
-    push_feedback_in_model: bool = False  # sparse pushes: the learner's default
+    push_feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL  # sparse pushes' residual rule
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_momentum_warmup_rounds: int = 0  # linear warm-up of the outer momentum (0: off)

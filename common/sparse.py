@@ -52,6 +52,9 @@ DEFAULT_TOPK_FRACTION = 1 / 64  # SparseLoCo's 64 of every 4096
 # The learner's push residual is multiplied by this before each sparse push (SparseLoCo's
 # error-feedback decay): what stays unsent for long fades instead of piling up.
 DEFAULT_FEEDBACK_DECAY = 0.95
+# Whether the learner also keeps that residual in its local model (docs/RESULTS.md, the
+# learner's unsent progress); off: SparseLoCo's rule, the residual apart from the model.
+DEFAULT_FEEDBACK_IN_MODEL = False
 
 
 def topk_k(fraction: float) -> int:

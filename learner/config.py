@@ -24,7 +24,7 @@ import torch
 from common.codec import CODECS
 from common.config import address_list
 from common.metrics_http import check_listen
-from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_TOPK_FRACTION
+from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_FEEDBACK_IN_MODEL, DEFAULT_TOPK_FRACTION
 from learner.model import GPTConfig
 
 
@@ -100,7 +100,7 @@ class SyncConfig:
     """Sparse push codecs: β in e ← β·e + Δ, the error-feedback residual's decay before each
     push adds its pseudo-gradient (SparseLoCo's momentum-like accumulator; 1: no decay).
     Pair it with the server's outer step for sparse pulls (docs/RESULTS.md, sparse)."""
-    push_feedback_in_model: bool = False
+    push_feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL
     """Sparse push codecs: keep the unsent residual in the local model (the merge takes the
     global value less β·e, and the learner trains on from there), not only in the error
     feedback. The same bytes; a lower loss from a few hundred steps to ~1,600-1,800, then a

@@ -26,6 +26,7 @@ from common.codec import is_sparse
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.sparse import (
     DEFAULT_FEEDBACK_DECAY,
+    DEFAULT_FEEDBACK_IN_MODEL,
     DEFAULT_TOPK_FRACTION,
     fragment_with_feedback,
     topk_k,
@@ -179,7 +180,7 @@ class StreamingSync:
         start_step: int = 0,
         push_topk_fraction: float = DEFAULT_TOPK_FRACTION,
         push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY,
-        push_feedback_in_model: bool = False,
+        push_feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL,
         away: Callable[[], Collection[int]] = frozenset,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
