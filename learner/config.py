@@ -14,6 +14,7 @@ ValueError naming the setting to fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -245,10 +246,18 @@ class SimulationConfig:
     slowdown: float = 1.0
     """Simulations only: make each inner step take this many times as long (>= 1), as on a
     slower island; a pause such as SIGSTOP is not stretched."""
+    step_period_s: float = 0.0
+    """Simulations only: end each inner step on a clock that ticks every this many seconds,
+    as on hardware whose step takes that long whatever else runs on this machine (as long
+    as a step's own work fits); 0: off. Not together with slowdown."""
 
     def __post_init__(self) -> None:
         if not self.slowdown >= 1:
             raise ValueError(f"slowdown must be >= 1, got {self.slowdown}")
+        if not 0 <= self.step_period_s < math.inf:
+            raise ValueError(f"step_period_s must be >= 0 and finite, got {self.step_period_s}")
+        if self.slowdown > 1 and self.step_period_s > 0:
+            raise ValueError("set slowdown or step_period_s, not both")
 
 
 @dataclass(kw_only=True)

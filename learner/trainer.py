@@ -19,11 +19,9 @@ import copy
 import logging
 import math
 import os
-import statistics
 import threading
 import time
 import zlib
-from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +44,7 @@ from learner.data import BatchSampler, ShardedSampler, load_corpus
 from learner.island import Island
 from learner.model import GPT
 from learner.progress import Progress
+from learner.simulated_speed import SimulatedSpeed
 
 __all__ = ["Learner", "Progress"]
 
@@ -98,7 +97,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=training.inner_lr, weight_decay=training.weight_decay
         )
-        self._slowdown = Slowdown(config.simulation.slowdown)
+        self._simulated_speed = SimulatedSpeed(config.simulation)
         tokens_per_step = data.batch_size * model_cfg.block_size * island.world_size
         self.sync = (
             DilocoSync(self.model, tokens_per_step=tokens_per_step, config=config.library())
@@ -170,8 +169,9 @@ class Learner:
         loss.backward()  # on an island, DDP averages the gradients of all ranks here
         self.optimizer.step()
         loss_value = loss.item()
-        if self._slowdown.factor > 1:  # a slower island: idle as if the step took longer
-            time.sleep(self._slowdown.idle_s(time.perf_counter() - t0))
+        idle_s = self._simulated_speed.idle_s(time.perf_counter() - t0)
+        if idle_s > 0:  # simulations only: a slower island idles as if the step took longer
+            time.sleep(idle_s)
         compute_s = time.perf_counter() - t0
         return InnerStep(loss_value, x.numel() * self.island.world_size, compute_s)
 
@@ -305,30 +305,6 @@ class Learner:
 
     def save_params(self, path: str) -> None:
         torch.save({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}, path)
-
-
-class Slowdown:
-    """--slowdown k: after each step, idle k - 1 times as long as it took, as if the
-    hardware were k times slower.
-
-    A step that took far longer than the recent ones was paused (SIGSTOP, a preempted VM),
-    not slow: slower hardware would not stretch the pause. Unchecked, a 1-second pause
-    became an 8-second one at k = 8, which threw learners out of phase by whatever amount
-    happened to land in a step. So the idle time is based on at most PAUSE_FACTOR times the
-    median of the last WINDOW steps.
-    """
-
-    WINDOW = 16
-    PAUSE_FACTOR = 3.0
-
-    def __init__(self, factor: float) -> None:
-        self.factor = factor
-        self._recent: deque[float] = deque(maxlen=self.WINDOW)
-
-    def idle_s(self, step_s: float) -> float:
-        typical = statistics.median(self._recent) if self._recent else step_s
-        self._recent.append(step_s)
-        return (self.factor - 1) * min(step_s, self.PAUSE_FACTOR * typical)
 
 
 class _StatusClock:

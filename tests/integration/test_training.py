@@ -204,21 +204,21 @@ ROUNDS_JUDGED = 16  # both fragments' rounds: b drifts about 70 of a's 80 steps 
 def test_quorum_learners_stay_in_phase_at_different_speeds(
     start_service, start_learner, tmp_path, align
 ):
-    """quorum mode: b runs 12.5% slower than a (--slowdown 9 against 8), so without help
-    its pushes drift through a's phase and rounds close with one learner. Schedule alignment
-    steers both towards the same phase, so most rounds gather both. The control
-    (--no-align-schedule) shows the test can tell the difference.
+    """quorum mode: b runs 12.5% slower than a (a step every 45 ms against 40 ms), so
+    without help its pushes drift through a's phase and rounds close with one learner.
+    Schedule alignment steers both towards the same phase, so most rounds gather both. The
+    control (--no-align-schedule) shows the test can tell the difference.
 
-    A drift the test sets, rather than a one-off stall: learners on shared cores also drift
-    on their own, so a stall's offset does not stay put long enough for the control to be
-    judged. It is judged over a number of rounds, not a time window: each fragment closes a
-    round every H = 80 of a's steps, in which b falls about 10 steps behind however loaded
-    the machine is, so the rounds judged span the same drift busy or idle. A full round needs
-    b within the grace window (8 steps) of a, 16 of the 80 steps of phase; in ROUNDS_JUDGED
-    rounds the control passes through it at most once. The grace window's cap in seconds
-    sits far above 8 loaded steps, so that the window stays 8 steps wide on a busy machine.
-    Measured in 10 windows of 16 rounds, idle, beside other tests and beside two CPU-bound
-    processes: aligned 75-100% full rounds, control 0-19%."""
+    The speeds are set by a clock (--step-period-s), not relative to this machine's speed
+    (--slowdown): on a busy machine the learners' shares of the cores shift, and with them
+    any speed ratio that depends on them, enough to keep the control in phase for half of
+    its rounds. A step's own work (a few ms) fits in its period even on a loaded machine,
+    so the drift is what the test sets. It is judged over a number of rounds: each fragment
+    closes a round every H = 80 of a's steps, in which b falls 10 steps behind. A full
+    round needs b within the grace window (8 steps) of a, 16 of the 80 steps of phase; in
+    ROUNDS_JUDGED rounds the control passes through it at most once. The grace window's
+    cap in seconds sits far above 8 steps, so that the window stays 8 steps wide.
+    Measured in 5 runs beside two CPU-bound processes: aligned 100% full rounds, control 0%."""
     h = 80  # P = 2: each fragment is pushed every 80 steps; the grace window is 8 steps
     # lease_s / 3 is the heartbeat interval, and each heartbeat brings one steering correction.
     service = start_service(
@@ -237,11 +237,10 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
         "--n-layer", "2", "--sync-every-steps", str(h), "--overlap-steps", "1",
         "--max-outer-steps", "100000", *([] if align else ["--no-align-schedule"]),
     ]  # fmt: skip
-    a = start_learner(service.port, "a", *flags, "--slowdown", "8")
-    b = start_learner(service.port, "b", *flags, "--slowdown", "9")
+    a = start_learner(service.port, "a", *flags, "--step-period-s", "0.04")
+    b = start_learner(service.port, "b", *flags, "--step-period-s", "0.045")
     try:
-        # Bounds, not windows: a round takes about 2 s idle, 10-20 s on a loaded machine
-        # (the slowdown multiplies whatever a step costs).
+        # Bounds, not windows: a round takes about 2 s, more if a busy machine stalls steps.
         assert agg.wait_for_version(0, 3, timeout_s=600) >= 3, learner_log(tmp_path, "b")
         seen = len(contributors)
         wait_until(lambda: len(contributors) >= seen + ROUNDS_JUDGED, 900, "the rounds judged")

@@ -231,6 +231,8 @@ def test_learner_settings_keep_their_flat_names_in_sections(tmp_path: Path) -> N
         ({"checkpoint_every_s": -1.0}, "checkpoint_every_s must be >= 0, got -1.0"),
         ({"metrics_listen": "9101"}, "metrics_listen must be host:port"),
         ({"slowdown": 0.5}, "slowdown must be >= 1, got 0.5"),
+        ({"step_period_s": float("nan")}, "step_period_s must be >= 0 and finite, got nan"),
+        ({"slowdown": 2.0, "step_period_s": 0.1}, "set slowdown or step_period_s, not both"),
         ({"batch_sizes": 4}, "unknown setting 'batch_sizes' for LearnerConfig"),
     ],
 )

@@ -9,7 +9,7 @@ from learner.config import DilocoSyncConfig, SyncConfig
 from learner.heartbeat import Pacer
 from learner.progress import Progress
 from learner.session import SyncSession
-from learner.trainer import Slowdown
+from learner.simulated_speed import Slowdown, StepPeriod
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.global_params import ParamSpec
@@ -190,6 +190,18 @@ def test_slowdown_idles_in_proportion_but_does_not_stretch_a_pause() -> None:
     # A step that held a 1-second pause (SIGSTOP) idles as for 3 usual steps, not 8 s.
     assert slow.idle_s(1.05) == pytest.approx(7 * 3 * 0.05)
     assert Slowdown(1.0).idle_s(0.5) == 0.0
+
+
+def test_a_step_period_holds_the_pace_through_late_steps_but_not_through_a_pause() -> None:
+    clock = StepPeriod(0.1)
+    assert clock.idle_s(now=5.0) == pytest.approx(0.1)  # the first step ends a tick on
+    assert clock.idle_s(now=5.13) == pytest.approx(0.07)  # ticks at 5.2, 5.3, ...
+    assert clock.idle_s(now=5.45) == 0.0  # ran past its tick (5.3): no idle
+    assert clock.idle_s(now=5.47) == 0.0  # nor for the next (5.4): the late step is made up
+    assert clock.idle_s(now=5.49) == pytest.approx(0.01)  # back on the clock (5.5)
+    # 2 s late, more than 10 ticks: a pause; the clock starts again from now.
+    assert clock.idle_s(now=7.6) == pytest.approx(0.1)
+    assert clock.idle_s(now=7.71) == pytest.approx(0.09)
 
 
 def test_one_learners_step_time_counts_at_most_ten_times_the_others() -> None:
