@@ -25,6 +25,7 @@ from common.config import config_parser, parse_command_line
 from common.metrics_http import serve_metrics
 from learner.config import LearnerConfig
 from learner.island import Island
+from learner.progress import Progress
 from learner.shards import ShardMapError
 from learner.trainer import Learner
 
@@ -71,8 +72,14 @@ def main() -> None:
         sys.exit(f"diloco-learner: error: {err}")
     finally:
         learner.island.close(finished)
-    if not learner.island.is_leader:
-        return
+    if learner.island.is_leader:
+        _report(config, learner, progress)
+    if learner.island.distributed:
+        _exit_without_teardown()
+
+
+def _report(config: LearnerConfig, learner: Learner, progress: Progress) -> None:
+    """The run's outputs: saved parameters, the summary file and the summary line."""
     if config.observability.save_params:
         learner.save_params(config.observability.save_params)
     summary = dataclasses.asdict(progress)
@@ -87,6 +94,19 @@ def main() -> None:
         if losses
         else f"learner={progress.learner_id} stopped before the first evaluation"
     )
+
+
+def _exit_without_teardown() -> None:
+    """End an island's rank once its work is done and written, without the interpreter's
+    teardown. Now and then a rank aborted after a finished run, past the barrier and the
+    process group's destruction ("terminate called without an active exception", SIGABRT),
+    which failed the whole island under torchrun. Gloo's threads can outlive the group's
+    destruction holding tensors, and freeing those while the interpreter finalizes is a
+    known way to abort; with nothing left to do, the rank skips that teardown."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
