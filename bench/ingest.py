@@ -17,7 +17,7 @@ the rounds' ratios: the machine is shared, and its load drifted between the two 
 sequential run (the same code measured 0.3 to 1.2 that way). Reported: wire payload bytes per
 second of each (median of the rounds), ingest_vs_grpc = (b) / (a) (target >= 0.8),
 and each server's CPU time per push (less sensitive to other load than the rates); and, in
-this process, two server paths against what they replace (server_paths). Writes
+this process, three server paths against what they replace (server_paths). Writes
 bench/results/ingest.json; `measure(quick)` returns the same dict.
 """
 
@@ -204,10 +204,12 @@ def _median_ms(run: Callable[[], object], repeats: int = 5) -> float:
 
 
 def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
-    """Two of the server's ingest paths against what they replace, in this process, per
+    """Three of the server's ingest paths against what they replace, in this process, per
     push: adding DEFERRED_PUSHES + 1 fp4 pushes to a round's sum in one pass vs one add each
-    (server/ingest.py add_in_turn), and reading a push's chunks as views vs protobuf's
-    parse and field read (server/push_wire.py)."""
+    (server/ingest.py add_in_turn); that pass with the widest instruction set this CPU has
+    vs with AVX2 at most (common/fp4_kernel.c); and reading a push's chunks as views vs
+    protobuf's parse and field read (server/push_wire.py)."""
+    from common import fp4_native
     from server.fragment import DEFERRED_PUSHES
     from server.ingest import IngestSlot, add_in_turn
     from server.push_wire import parse_push_request
@@ -220,6 +222,13 @@ def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
     sums = [torch.zeros(s) for s in shapes]
     together = _median_ms(lambda: add_in_turn(bodies, sums)) / count
     one_by_one = _median_ms(lambda: [body.add_to(sums, w) for body, w in bodies]) / count
+    kernel = fp4_native.load()
+    assert kernel is not None  # the bodies are combinable
+    widest = kernel.limit_isa(fp4_native.ISA_AVX2)
+    try:
+        together_avx2 = _median_ms(lambda: add_in_turn(bodies, sums)) / count
+    finally:
+        kernel.limit_isa(widest)
     messages = [pb.PushFragmentRequest(chunk=c).SerializeToString() for c in chunks(payload)]
     protobuf = _median_ms(lambda: [pb.PushFragmentRequest.FromString(m).chunk for m in messages])
     views = _median_ms(lambda: [parse_push_request(m) for m in messages])
@@ -228,6 +237,8 @@ def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
         "add_ms_per_push_together": together,
         "add_ms_per_push_one_by_one": one_by_one,
         "add_together_speedup": one_by_one / together,
+        "add_ms_per_push_together_avx2": together_avx2,
+        "add_widest_isa_vs_avx2": together_avx2 / together,
         "chunks_ms_per_push_views": views,
         "chunks_ms_per_push_protobuf": protobuf,
     }

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # fp4_accumulate's modes: how sum and weight * value combine (see fp4_kernel.c).
 ACC_SET, ACC_ADD_FMA, ACC_ADD_MUL = 0, 1, 2
+# The instruction sets fp4_accumulate chooses from, narrowest first (Kernel.limit_isa).
+ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 
 SOURCE = Path(__file__).with_name("fp4_kernel.c")
 # No -ffast-math and no FMA contraction: every multiply must round exactly as torch's does.
@@ -189,6 +191,16 @@ class Kernel:
         idx = torch.empty((n, k), dtype=torch.int64)
         self._lib.topk_select(rows.data_ptr(), n, width, k, idx.data_ptr())
         return idx
+
+    def limit_isa(self, isa: int) -> int:
+        """Let fp4_accumulate use at most `isa` (ISA_*; by default the widest the CPU has),
+        so that tests and benchmarks can check and time the narrower paths on a machine
+        with the wider; returns the limit it replaces. Process-wide."""
+        if isa not in (ISA_PORTABLE, ISA_AVX2, ISA_AVX512):
+            raise ValueError(f"unknown instruction set limit {isa}")
+        limit = ctypes.c_int.in_dll(self._lib, "fp4_isa_limit")
+        previous, limit.value = limit.value, isa
+        return previous
 
     def torch_add_mode(self) -> int | None:
         """The mode (ACC_ADD_FMA or ACC_ADD_MUL) whose bits equal torch's

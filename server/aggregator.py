@@ -232,19 +232,29 @@ class Aggregator:
         the lock and decoded straight into the round's sum, server/ingest.py) to the open
         round; returns the version it helps produce (the learner waits for that one)."""
         body = tensors if isinstance(tensors, PushBody) else DenseBody(tensors)
-        with self._cond:
-            session, fragment = self._intake.check_header(
-                session_id, fragment_id, base_version, initial=False
-            )
-            try:
-                self._intake.add(session, fragment, base_version, body, tokens, inner_steps)
-            except PushRefused as err:
-                self._maybe_close(fragment)  # it may have been the round's last learner
-                raise FailedPrecondition(f"push refused: {err}") from err
-            self.events.contribution(fragment.version - base_version)
-            round_version = fragment.version + 1
-            self._maybe_close(fragment)
-            return round_version
+        adds, queued = None, True  # True until known: a queued add must run before we return
+        try:
+            with self._cond:
+                session, fragment = self._intake.check_header(
+                    session_id, fragment_id, base_version, initial=False
+                )
+                adds = fragment.round.adds  # this round's, though the push may close it
+                try:
+                    queued = self._intake.add(
+                        session, fragment, base_version, body, tokens, inner_steps, add_later=True
+                    )
+                except PushRefused as err:
+                    self._maybe_close(fragment)  # it may have been the round's last learner
+                    raise FailedPrecondition(f"push refused: {err}") from err
+                self.events.contribution(fragment.version - base_version)
+                round_version = fragment.version + 1
+                self._maybe_close(fragment)
+        finally:
+            if adds is not None and queued:
+                # The pushes queued to add together, this one among them (FragmentState.add),
+                # added now that other pushes can be counted meanwhile (server/round_adds.py).
+                adds.run()
+        return round_version
 
     def settle_deferred(self) -> None:
         """Add every round's deferred pushes now, giving their buffers back (the push budget

@@ -36,6 +36,7 @@ from server.ingest import DenseBody, PushBody, add_in_turn
 from server.outer import STATE_DTYPES, OuterOptimizer
 from server.pull_encoder import UpdateEncoder
 from server.pull_parts import TensorBytes, snapshot_parts
+from server.round_adds import OrderedAdds
 
 # Accepted fp4 pushes a round may hold back to add with the next one in a single pass over
 # its sum (server/ingest.py add_in_turn): a 16 M-value fragment's float32 sum is 64 MiB, which
@@ -67,6 +68,9 @@ class Round:
     # Accepted pushes not yet in delta_sum (their weight, bound and counts are): added
     # together with the next push, or at the close (FragmentState.add, settle).
     deferred: list[tuple[PushBody, float]] = field(default_factory=list)
+    # Batches of pushes to add to delta_sum outside the aggregator's lock, in order
+    # (server/round_adds.py); anything that reads delta_sum runs them first (settle).
+    adds: OrderedAdds = field(default_factory=OrderedAdds)
 
 
 @dataclass(frozen=True)
@@ -154,13 +158,17 @@ class FragmentState:
         weight: float = 1.0,
         discount: float = 1.0,
         keep: bool = False,
-    ) -> None:
+        add_later: bool = False,
+    ) -> bool:
         """Add a pseudo-gradient with its weight and staleness discount to the open round.
 
         A PushBody is decoded into the sum a chunk at a time (server/ingest.py): no
         per-learner float32 copy of the fragment is made unless `keep` asks for one (the
-        discounted Δ, for a trimmed mean)."""
-        rnd, scale = self.round, weight * discount
+        discounted Δ, for a trimmed mean). With `add_later`, a push that would be added
+        here together with the deferred ones is queued on the round's `adds` instead, and
+        add returns True: the caller runs that queue once it has released the aggregator's
+        lock, before the push's buffer is freed (server/round_adds.py)."""
+        rnd, scale, queued = self.round, weight * discount, False
         if keep:
             rnd.kept = (rnd.kept or []) + [body.add_to(None, discount)]
         if rnd.delta_sum is None and self._spare_sum is not None:
@@ -172,17 +180,23 @@ class FragmentState:
             rnd.deferred.append((body, scale))
         else:  # emptied first: add_in_turn releases their buffers even if it fails
             pending, rnd.deferred = rnd.deferred, []
-            add_in_turn([*pending, (body, scale)], rnd.delta_sum)
+            rnd.adds.put([*pending, (body, scale)], rnd.delta_sum)
+            queued = add_later
+            if not add_later:
+                rnd.adds.run()
         rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
         rnd.excused.discard(learner_id)
         rnd.pushes += 1
         rnd.tokens += tokens
+        return queued
 
     def settle(self) -> None:
-        """Add the round's deferred pushes to its sum now (before anything reads it)."""
+        """Add the round's queued and deferred pushes to its sum now, in the order they were
+        accepted (before anything reads the sum)."""
         rnd = self.round
+        rnd.adds.run()
         if rnd.deferred:
             assert rnd.delta_sum is not None  # a round's first push is never deferred
             pending, rnd.deferred = rnd.deferred, []  # as in add

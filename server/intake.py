@@ -96,8 +96,10 @@ class PushIntake:
         body: PushBody | DenseBody,
         tokens: int,
         inner_steps: int,
-    ) -> None:
-        """Check a push's body (its header passed) and add it to the fragment's round.
+        add_later: bool = False,
+    ) -> bool:
+        """Check a push's body (its header passed) and add it to the fragment's round;
+        returns whether its add was queued (`add_later`: see FragmentState.add).
         InvalidArgument for a bad body; PushRefused from the token-claim check or the norm
         guard (the learner is excused from the round; nothing else changes)."""
         learner_id = session.learner_id
@@ -126,7 +128,9 @@ class PushIntake:
         if self._robust_merge == "clip-to-median":
             clip = clip_scale(body.norm, guard.median())
         keep = self._robust_merge == "trimmed-mean"
-        fragment.add(learner_id, body, tokens, weight, discount * clip, keep=keep)
+        queued = fragment.add(
+            learner_id, body, tokens, weight, discount * clip, keep=keep, add_later=add_later
+        )
         fragment.last_push_base[learner_id] = base_version
         guard.record(body.norm)
         self._rounds.accepted(fragment.round, learner_id, weight)
@@ -142,6 +146,7 @@ class PushIntake:
             len(fragment.round.contributors),
             len(self._members.live()),
         )
+        return queued
 
 
 def check_shapes(fragment: FragmentState, shapes: Sequence[tuple[int, ...]]) -> None:

@@ -38,6 +38,7 @@ touch goes back to the system.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -249,13 +250,17 @@ class PushBudget:
 
 def receive_into(buffer: memoryview, pieces: Iterable[bytes | memoryview]) -> memoryview:
     """Copy the chunks into `buffer`, which must end exactly full; returns it. Raises
-    InvalidArgument for a payload longer or shorter than the buffer (the announced size)."""
+    InvalidArgument for a payload longer or shorter than the buffer (the announced size).
+
+    The copy is ctypes.memmove, which releases the GIL (a slice assignment holds it): the
+    other pushes' threads and gRPC's own run meanwhile."""
     filled, size = 0, len(buffer)
+    base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
     for piece in pieces:
         end = filled + len(piece)
         if end > size:
             raise InvalidArgument(f"payload is longer than the announced {size} bytes")
-        buffer[filled:end] = piece
+        ctypes.memmove(base + filled, np.frombuffer(piece, dtype=np.uint8).ctypes.data, len(piece))
         filled = end
     if filled != size:
         raise InvalidArgument(f"payload ended after {filled} of the announced {size} bytes")

@@ -114,9 +114,18 @@ def test_the_padding_nibble_of_an_odd_count_is_ignored_and_nothing_is_written_pa
     assert torch.equal(guarded[:numel], reference_values(packed, scales, numel, pb.CODEC_FP4_E2M1))
 
 
+@pytest.fixture(params=[fp4_native.ISA_PORTABLE, fp4_native.ISA_AVX2, fp4_native.ISA_AVX512])
+def isa(kernel, request):
+    """Each of fp4_accumulate's paths up to what this CPU has (a wider limit than the CPU's
+    runs its widest, so that case then repeats the narrower one)."""
+    previous = kernel.limit_isa(request.param)
+    yield request.param
+    kernel.limit_isa(previous)
+
+
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("numel", [1, 33, 4099])
-def test_accumulate_is_torchs_arithmetic_bit_for_bit(kernel, codec: int, numel: int) -> None:
+def test_accumulate_is_torchs_arithmetic_bit_for_bit(kernel, isa, codec: int, numel: int) -> None:
     packed, scales = packed_values(numel, 11 + numel, 120, 135)
     values = reference_values(packed, scales, numel, codec)
     args = (as_bytes(packed), as_bytes(scales), numel, FP4_GRIDS[codec])
@@ -147,6 +156,11 @@ def test_the_probe_finds_a_mode_and_the_two_add_modes_differ(kernel) -> None:
     kernel.accumulate(*args, fp4_native.ACC_ADD_FMA, fused)
     kernel.accumulate(*args, fp4_native.ACC_ADD_MUL, separate)
     assert not torch.equal(fused, separate)  # else the probe could not tell them apart
+
+
+def test_an_unknown_instruction_set_limit_is_refused(kernel) -> None:
+    with pytest.raises(ValueError, match="instruction set limit 3"):
+        kernel.limit_isa(3)
 
 
 def test_short_buffers_and_bad_outputs_are_refused_before_the_c_call(kernel) -> None:

@@ -92,7 +92,11 @@ def _fp4_push(seed: int, shapes: list[tuple[int, ...]]) -> bytes:
     return encode_fragment([torch.randn(s, generator=g) * 1e-2 for s in shapes], "fp4_e2m1")
 
 
-def _run_round(shapes, pushes: list[bytes], budget: PushBudget | None) -> FragmentState:
+def _run_round(
+    shapes, pushes: list[bytes], budget: PushBudget | None, add_later: bool = False
+) -> FragmentState:
+    """One round of `pushes`; with `add_later`, as the aggregator adds them: a push whose add
+    was queued runs the queue after its call (server/round_adds.py), its buffer still held."""
     fragment = FragmentState(0, [0, 1], shapes, NesterovOuter(), "fp32", 16)
     fragment.initialize([torch.zeros(s) for s in shapes])
     slot = IngestSlot()
@@ -104,15 +108,21 @@ def _run_round(shapes, pushes: list[bytes], budget: PushBudget | None) -> Fragme
         with budget.reserve(len(payload)) as view:
             receive_into(view, [payload])
             body = slot.parse(view, shapes, hold=lambda view=view: budget.hold(view))
-            fragment.add(f"l{i}", body, tokens=1, weight=1.0 + i / 7)
+            adds = fragment.round.adds
+            queued = fragment.add(f"l{i}", body, tokens=1, weight=1.0 + i / 7, add_later=add_later)
+            # The first push starts the sum; each later batch is the held ones and one more.
+            assert queued == (add_later and i > 0 and i % (DEFERRED_PUSHES + 1) == 0)
+            if queued:
+                adds.run()
     return fragment
 
 
-def test_a_round_that_defers_pushes_ends_with_the_same_bits(kernel) -> None:
+@pytest.mark.parametrize("add_later", [False, True])
+def test_a_round_that_defers_pushes_ends_with_the_same_bits(kernel, add_later) -> None:
     shapes = [(300, 211), (5,)]
     pushes = [_fp4_push(seed, shapes) for seed in range(2 * DEFERRED_PUSHES + 2)]
     budget = PushBudget(64 << 20, wait_s=0.0)
-    deferring = _run_round(shapes, pushes, budget)
+    deferring = _run_round(shapes, pushes, budget, add_later)
     held = len(deferring.round.deferred)
     assert held > 0 and budget.held_bytes() == held * len(pushes[0])
     reference = _run_round(shapes, pushes, None)  # no holder: every push added at once
