@@ -51,7 +51,7 @@ from deploy.launcher import start_daemon  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 SINK_METHOD = "/bench.Sink/Push"
 PUSH_METHOD = "/diloco.v1.Aggregator/PushFragment"
-ROUNDS = 3
+ROUNDS = 9
 
 
 def serve_sink(port_file: str) -> None:
