@@ -148,8 +148,8 @@ int64_t fp4_dequantize(const uint8_t *packed, const uint8_t *scales, int64_t n,
 /* ---- Server ingest: statistics and accumulation straight from the wire encoding ----------
  *
  * server/ingest.py validates a push (finite values, norm, largest magnitude) before it takes
- * the aggregator's lock, then adds weight * value to the round's float32 sum under the lock.
- * Both run here in one pass over the packed codes each, with no float32 copy of the push.
+ * the aggregator's lock, then adds weight * value to the round's float32 sum (under the lock,
+ * or after it for pushes added together: server/round_adds.py). Both run here in one pass over the packed codes each, with no float32 copy of the push.
  */
 
 /* 2^(byte - 127) for an E8M0 byte other than 255, built from its bits (ldexpf is a libm call
@@ -448,7 +448,8 @@ __attribute__((target("avx2,fma"))) static int64_t accumulate_avx2(
 /* accumulate_avx2 with 16 values to a vector: the block's table holds all 16 codes' values
  * (the 8 magnitudes, then their negations: negation is exact), so one vpermps picks each
  * value, sign included. About a third of accumulate_avx2's instructions per value, the same
- * float32 products and sums. */
+ * float32 products and sums for finite values (fp4_stats refuses a push with an infinity
+ * before it is added; infinity times a weight of 0 would give a NaN of the other sign). */
 __attribute__((target("avx512f"))) static int64_t accumulate_avx512(
     const uint8_t *packed, const uint8_t *scales, int64_t n, const float *grid, float weight,
     int mode, float *sum)
@@ -501,6 +502,18 @@ __attribute__((target("avx512f"))) static int64_t accumulate_avx512(
 #define FP4_ISA_AVX2 1
 #define FP4_ISA_AVX512 2
 int fp4_isa_limit = FP4_ISA_AVX512;
+
+/* The widest FP4_ISA_* this CPU runs (whatever the limit). */
+int fp4_widest_isa(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    if (__builtin_cpu_supports("avx512f"))
+        return FP4_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return FP4_ISA_AVX2;
+#endif
+    return FP4_ISA_PORTABLE;
+}
 
 /* Without hardware FMA, fmaf is libm's correctly rounded call: the same bits, slower. */
 static int64_t accumulate_portable(const uint8_t *packed, const uint8_t *scales, int64_t n,

@@ -79,6 +79,8 @@ class Kernel:
         lib.fp4_stats.restype = i64
         lib.fp4_accumulate_many.argtypes = [i64, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         lib.fp4_accumulate_many.restype = i64
+        lib.fp4_widest_isa.argtypes = []
+        lib.fp4_widest_isa.restype = cint
         lib.topk_select.argtypes = [ptr, i64, i64, i64, ptr]
         lib.topk_select.restype = None
         self._lib = lib
@@ -191,6 +193,10 @@ class Kernel:
         idx = torch.empty((n, k), dtype=torch.int64)
         self._lib.topk_select(rows.data_ptr(), n, width, k, idx.data_ptr())
         return idx
+
+    def widest_isa(self) -> int:
+        """The widest ISA_* this CPU runs (fp4_accumulate uses it unless limited)."""
+        return int(self._lib.fp4_widest_isa())
 
     def limit_isa(self, isa: int) -> int:
         """Let fp4_accumulate use at most `isa` (ISA_*; by default the widest the CPU has),

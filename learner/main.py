@@ -103,10 +103,12 @@ def _exit_without_teardown() -> None:
     which failed the whole island under torchrun. Gloo's threads can outlive the group's
     destruction holding tensors, and freeing those while the interpreter finalizes is a
     known way to abort; with nothing left to do, the rank skips that teardown."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:  # a closed pipe must not send the rank back into that teardown
+        os._exit(0)
 
 
 if __name__ == "__main__":

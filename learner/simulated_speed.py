@@ -46,10 +46,11 @@ class Slowdown:
 
 
 class StepPeriod:
-    """--step-period-s T: each step ends at the next tick of a clock that ticks every T s.
+    """--step-period-s T: each step ends T seconds after the previous one's end, on a clock.
 
     A step that ran past its tick (a busy moment) is made up by the following steps, which
-    idle less, so the count of steps in a minute stays what T says. A lag of more than
+    idle less, so the count of steps in a minute stays what T says. The time between steps
+    (a sync, an evaluation) counts in full, as it would on real hardware. A lag of more than
     CATCH_UP_TICKS ticks was a pause (SIGSTOP, a preempted VM): the clock restarts from now
     instead of rushing through the missed steps, as real hardware would not run them faster.
     """
@@ -58,15 +59,21 @@ class StepPeriod:
 
     def __init__(self, period_s: float) -> None:
         self.period_s = period_s
-        self._next_tick: float | None = None
+        self._last_tick: float | None = None  # when the previous step was due to end
+        self._last_end = 0.0  # when it did end, its idle time included
 
-    def idle_s(self, now: float) -> float:
-        """Seconds from `now` (time.monotonic()) to the end of the step that just ran."""
-        behind = self._next_tick is not None and now - self._next_tick
-        if self._next_tick is None or behind > self.CATCH_UP_TICKS * self.period_s:
-            self._next_tick = now
-        self._next_tick += self.period_s
-        return max(0.0, self._next_tick - now)
+    def idle_s(self, started: float, now: float) -> float:
+        """Seconds from `now` to the end of the step that ran from `started` (both on
+        time.monotonic()'s clock)."""
+        if self._last_tick is None:
+            tick = started + self.period_s
+        else:
+            tick = self._last_tick + max(0.0, started - self._last_end) + self.period_s
+        if now - tick > self.CATCH_UP_TICKS * self.period_s:
+            tick = now  # a pause: not made up
+        idle = max(0.0, tick - now)
+        self._last_tick, self._last_end = tick, now + idle
+        return idle
 
 
 class SimulatedSpeed:
@@ -80,5 +87,6 @@ class SimulatedSpeed:
         if self._slowdown is not None:
             return self._slowdown.idle_s(step_s)
         if self._period is not None:
-            return self._period.idle_s(time.monotonic())
+            now = time.monotonic()
+            return self._period.idle_s(now - step_s, now)
         return 0.0

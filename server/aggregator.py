@@ -232,7 +232,7 @@ class Aggregator:
         the lock and decoded straight into the round's sum, server/ingest.py) to the open
         round; returns the version it helps produce (the learner waits for that one)."""
         body = tensors if isinstance(tensors, PushBody) else DenseBody(tensors)
-        adds, queued = None, True  # True until known: a queued add must run before we return
+        adds, ticket, nothing_queued = None, None, False
         try:
             with self._cond:
                 session, fragment = self._intake.check_header(
@@ -240,20 +240,23 @@ class Aggregator:
                 )
                 adds = fragment.round.adds  # this round's, though the push may close it
                 try:
-                    queued = self._intake.add(
+                    ticket = self._intake.add(
                         session, fragment, base_version, body, tokens, inner_steps, add_later=True
                     )
                 except PushRefused as err:
                     self._maybe_close(fragment)  # it may have been the round's last learner
                     raise FailedPrecondition(f"push refused: {err}") from err
+                nothing_queued = ticket is None
                 self.events.contribution(fragment.version - base_version)
                 round_version = fragment.version + 1
                 self._maybe_close(fragment)
         finally:
-            if adds is not None and queued:
+            if adds is not None and not nothing_queued:
                 # The pushes queued to add together, this one among them (FragmentState.add),
                 # added now that other pushes can be counted meanwhile (server/round_adds.py).
                 adds.run()
+        if ticket is not None:
+            ticket.check()
         return round_version
 
     def settle_deferred(self) -> None:

@@ -36,7 +36,7 @@ from server.ingest import DenseBody, PushBody, add_in_turn
 from server.outer import STATE_DTYPES, OuterOptimizer
 from server.pull_encoder import UpdateEncoder
 from server.pull_parts import TensorBytes, snapshot_parts
-from server.round_adds import OrderedAdds
+from server.round_adds import AddTicket, OrderedAdds
 
 # Accepted fp4 pushes a round may hold back to add with the next one in a single pass over
 # its sum (server/ingest.py add_in_turn): a 16 M-value fragment's float32 sum is 64 MiB, which
@@ -159,16 +159,17 @@ class FragmentState:
         discount: float = 1.0,
         keep: bool = False,
         add_later: bool = False,
-    ) -> bool:
+    ) -> AddTicket | None:
         """Add a pseudo-gradient with its weight and staleness discount to the open round.
 
         A PushBody is decoded into the sum a chunk at a time (server/ingest.py): no
         per-learner float32 copy of the fragment is made unless `keep` asks for one (the
-        discounted Δ, for a trimmed mean). With `add_later`, a push that would be added
-        here together with the deferred ones is queued on the round's `adds` instead, and
-        add returns True: the caller runs that queue once it has released the aggregator's
-        lock, before the push's buffer is freed (server/round_adds.py)."""
-        rnd, scale, queued = self.round, weight * discount, False
+        discounted Δ, for a trimmed mean). A push that is neither the round's first nor
+        deferred is added with the deferred ones; with `add_later`, that add is queued on
+        the round's `adds` and its ticket returned: the caller runs the queue once it has
+        released the aggregator's lock, before the push's buffer and slot are given back,
+        and then checks the ticket (server/round_adds.py). Otherwise None."""
+        rnd, scale, ticket = self.round, weight * discount, None
         if keep:
             rnd.kept = (rnd.kept or []) + [body.add_to(None, discount)]
         if rnd.delta_sum is None and self._spare_sum is not None:
@@ -180,17 +181,18 @@ class FragmentState:
             rnd.deferred.append((body, scale))
         else:  # emptied first: add_in_turn releases their buffers even if it fails
             pending, rnd.deferred = rnd.deferred, []
-            rnd.adds.put([*pending, (body, scale)], rnd.delta_sum)
-            queued = add_later
+            ticket = rnd.adds.put([*pending, (body, scale)], rnd.delta_sum)
             if not add_later:
                 rnd.adds.run()
+                ticket.check()
+                ticket = None
         rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
         rnd.excused.discard(learner_id)
         rnd.pushes += 1
         rnd.tokens += tokens
-        return queued
+        return ticket
 
     def settle(self) -> None:
         """Add the round's queued and deferred pushes to its sum now, in the order they were

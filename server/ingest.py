@@ -11,7 +11,7 @@ and those copies waited on the aggregator lock, so the server's memory grew with
 of learners (bench/load.py: 1.6 GB for a 4 MiB model at 64 learners). Here a push stays in its
 wire encoding (4 bits per value for fp4) and is read twice: once before the lock, to check
 every value and compute the norm the NormGuard needs, and once straight into the round's sum
-(under the lock, or after it for pushes added together: server/round_adds.py).
+(under the lock, or after it for a push added with the deferred ones: server/round_adds.py).
 
 fp4 pushes take the C kernel (common/fp4_kernel.c: fp4_stats, fp4_accumulate), one pass over
 the packed codes each, reading the wire bytes in place, with the GIL released so that pushes

@@ -24,6 +24,7 @@ from server.influence import check_claim, clip_scale
 from server.ingest import DenseBody, PushBody
 from server.membership import Membership, Session
 from server.policy import NormGuard, staleness_discount
+from server.round_adds import AddTicket
 from server.rounds import RoundPolicy
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,9 @@ class PushIntake:
         tokens: int,
         inner_steps: int,
         add_later: bool = False,
-    ) -> bool:
+    ) -> AddTicket | None:
         """Check a push's body (its header passed) and add it to the fragment's round;
-        returns whether its add was queued (`add_later`: see FragmentState.add).
+        returns its queued add's ticket, if any (`add_later`: see FragmentState.add).
         InvalidArgument for a bad body; PushRefused from the token-claim check or the norm
         guard (the learner is excused from the round; nothing else changes)."""
         learner_id = session.learner_id
@@ -128,7 +129,7 @@ class PushIntake:
         if self._robust_merge == "clip-to-median":
             clip = clip_scale(body.norm, guard.median())
         keep = self._robust_merge == "trimmed-mean"
-        queued = fragment.add(
+        ticket = fragment.add(
             learner_id, body, tokens, weight, discount * clip, keep=keep, add_later=add_later
         )
         fragment.last_push_base[learner_id] = base_version
@@ -146,7 +147,7 @@ class PushIntake:
             len(fragment.round.contributors),
             len(self._members.live()),
         )
-        return queued
+        return ticket
 
 
 def check_shapes(fragment: FragmentState, shapes: Sequence[tuple[int, ...]]) -> None:

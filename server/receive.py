@@ -254,13 +254,16 @@ def receive_into(buffer: memoryview, pieces: Iterable[bytes | memoryview]) -> me
 
     The copy is ctypes.memmove, which releases the GIL (a slice assignment holds it): the
     other pushes' threads and gRPC's own run meanwhile."""
-    filled, size = 0, len(buffer)
+    if buffer.readonly:
+        raise ValueError("receive_into needs a writable buffer")
+    filled, size = 0, buffer.nbytes
     base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
     for piece in pieces:
-        end = filled + len(piece)
+        source = np.frombuffer(piece, dtype=np.uint8)
+        end = filled + source.nbytes
         if end > size:
             raise InvalidArgument(f"payload is longer than the announced {size} bytes")
-        ctypes.memmove(base + filled, np.frombuffer(piece, dtype=np.uint8).ctypes.data, len(piece))
+        ctypes.memmove(base + filled, source.ctypes.data, source.nbytes)
         filled = end
     if filled != size:
         raise InvalidArgument(f"payload ended after {filled} of the announced {size} bytes")

@@ -194,14 +194,16 @@ def test_slowdown_idles_in_proportion_but_does_not_stretch_a_pause() -> None:
 
 def test_a_step_period_holds_the_pace_through_late_steps_but_not_through_a_pause() -> None:
     clock = StepPeriod(0.1)
-    assert clock.idle_s(now=5.0) == pytest.approx(0.1)  # the first step ends a tick on
-    assert clock.idle_s(now=5.13) == pytest.approx(0.07)  # ticks at 5.2, 5.3, ...
-    assert clock.idle_s(now=5.45) == 0.0  # ran past its tick (5.3): no idle
-    assert clock.idle_s(now=5.47) == 0.0  # nor for the next (5.4): the late step is made up
-    assert clock.idle_s(now=5.49) == pytest.approx(0.01)  # back on the clock (5.5)
-    # 2 s late, more than 10 ticks: a pause; the clock starts again from now.
-    assert clock.idle_s(now=7.6) == pytest.approx(0.1)
-    assert clock.idle_s(now=7.71) == pytest.approx(0.09)
+    assert clock.idle_s(started=5.0, now=5.01) == pytest.approx(0.09)  # ends at 5.1
+    assert clock.idle_s(started=5.1, now=5.13) == pytest.approx(0.07)  # ends at 5.2
+    assert clock.idle_s(started=5.2, now=5.45) == 0.0  # ran past its tick (5.3): no idle
+    assert clock.idle_s(started=5.45, now=5.47) == 0.0  # nor for the next (5.4): made up
+    assert clock.idle_s(started=5.47, now=5.49) == pytest.approx(0.01)  # on the clock: 5.5
+    # 0.2 s between steps (an evaluation) counts in full: the next tick moves by as much.
+    assert clock.idle_s(started=5.7, now=5.72) == pytest.approx(0.08)  # ends at 5.8
+    # A step 2 s late, more than 10 ticks: a pause, not made up; the clock goes on from it.
+    assert clock.idle_s(started=5.8, now=7.9) == 0.0
+    assert clock.idle_s(started=7.9, now=7.93) == pytest.approx(0.07)  # ends at 8.0
 
 
 def test_one_learners_step_time_counts_at_most_ten_times_the_others() -> None:

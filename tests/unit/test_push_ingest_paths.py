@@ -109,11 +109,12 @@ def _run_round(
             receive_into(view, [payload])
             body = slot.parse(view, shapes, hold=lambda view=view: budget.hold(view))
             adds = fragment.round.adds
-            queued = fragment.add(f"l{i}", body, tokens=1, weight=1.0 + i / 7, add_later=add_later)
+            ticket = fragment.add(f"l{i}", body, tokens=1, weight=1.0 + i / 7, add_later=add_later)
             # The first push starts the sum; each later batch is the held ones and one more.
-            assert queued == (add_later and i > 0 and i % (DEFERRED_PUSHES + 1) == 0)
-            if queued:
+            assert (ticket is not None) == (add_later and i > 0 and i % (DEFERRED_PUSHES + 1) == 0)
+            if ticket is not None:
                 adds.run()
+                ticket.check()
     return fragment
 
 
