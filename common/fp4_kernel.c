@@ -442,9 +442,7 @@ __attribute__((target("avx2,fma"))) static int64_t accumulate_avx2(
                                  grid, weight, mode, sum + full * BLOCK);
     return 0;
 }
-#endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 /* accumulate_avx2 with 16 values to a vector: the block's table holds all 16 codes' values
  * (the 8 magnitudes, then their negations: negation is exact), so one vpermps picks each
  * value, sign included. About a third of accumulate_avx2's instructions per value, the same
