@@ -201,9 +201,15 @@ def add_token(path: str, learner_id: str) -> str:
     return token
 
 
+TOKEN_USAGE = "usage: diloco-token add TOKEN_FILE LEARNER_ID   (prints the new token)"
+
+
 def main() -> None:
+    if sys.argv[1:] in (["-h"], ["--help"]):
+        print(TOKEN_USAGE)
+        return
     if len(sys.argv) != 4 or sys.argv[1] != "add":
-        sys.exit("usage: diloco-token add TOKEN_FILE LEARNER_ID   (prints the new token)")
+        sys.exit(TOKEN_USAGE)
     try:
         print(add_token(sys.argv[2], sys.argv[3]))
     except ValueError as err:
