@@ -207,7 +207,7 @@ def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
     """Three of the server's ingest paths against what they replace, in this process, per
     push: adding DEFERRED_PUSHES + 1 fp4 pushes to a round's sum in one pass vs one add each
     (server/ingest.py add_in_turn); that pass with the widest instruction set this CPU has
-    vs with AVX2 at most (common/fp4_kernel.c); and reading a push's chunks as views vs
+    vs with AVX2 at most (common/fp4_accumulate.c); and reading a push's chunks as views vs
     protobuf's parse and field read (server/push_wire.py)."""
     from common import fp4_native
     from server.fragment import DEFERRED_PUSHES

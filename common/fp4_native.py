@@ -1,5 +1,6 @@
-"""The compiled FP4 kernel (common/fp4_kernel.c) for CPU tensors, built on first use; it also
-holds the sparse codecs' top-k selection (topk_select, common/sparse.py).
+"""The compiled FP4 kernel for CPU tensors, built on first use from common/fp4_kernel.c
+(quantize, dequantize), fp4_stats.c and fp4_accumulate.c (the server's ingest passes); the
+same library holds the sparse codecs' top-k selection (topk_kernel.c, common/sparse.py).
 
     from common import fp4_native
     kernel = fp4_native.load()          # None where it cannot be built (and says why, once)
@@ -11,7 +12,7 @@ the kernel is only a speed-up: CUDA tensors and stochastic rounding always take 
 
 The shared library is compiled with the system C compiler (`$CC`, default `cc`) into
 `$DILOCO_CACHE_DIR` (default `$XDG_CACHE_HOME/decoupled-diloco` or `~/.cache/...`), named by
-a hash of the source and flags, and written atomically so concurrent processes can race to
+a hash of the sources and flags, and written atomically so concurrent processes can race to
 build it. No compiler, or `DILOCO_FP4_KERNEL=torch`, means the torch path, logged once as a
 warning with the reason. `DILOCO_FP4_KERNEL=native` makes a build failure an error instead.
 """
@@ -37,12 +38,16 @@ from common.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
-# fp4_accumulate's modes: how sum and weight * value combine (see fp4_kernel.c).
+# fp4_accumulate's modes: how sum and weight * value combine (see fp4_accumulate.c).
 ACC_SET, ACC_ADD_FMA, ACC_ADD_MUL = 0, 1, 2
 # The instruction sets fp4_accumulate chooses from, narrowest first (Kernel.limit_isa).
 ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 
-SOURCE = Path(__file__).with_name("fp4_kernel.c")
+_HERE = Path(__file__).parent
+SOURCES = [
+    _HERE / name for name in ("fp4_kernel.c", "fp4_stats.c", "fp4_accumulate.c", "topk_kernel.c")
+]
+HEADERS = [_HERE / "fp4_blocks.h"]
 # No -ffast-math and no FMA contraction: every multiply must round exactly as torch's does.
 CFLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off"]
 CHOICES = ("auto", "native", "torch")
@@ -304,7 +309,7 @@ def _build() -> Path:
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise FileNotFoundError(f"no C compiler {compiler!r} on PATH")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     key = hashlib.sha256(source + " ".join([compiler, *CFLAGS]).encode()).hexdigest()[:16]
     target = cache_dir() / f"fp4_kernel-{platform.machine()}-{key}.so"
     if target.exists():
@@ -312,7 +317,7 @@ def _build() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(target) as tmp:  # a concurrent loader sees no half-written library
         subprocess.run(
-            [compiler, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lm"],
+            [compiler, *CFLAGS, "-o", str(tmp), *map(str, SOURCES), "-lm"],
             check=True,
             capture_output=True,
             timeout=120,

@@ -19,7 +19,7 @@ then takes plain averaged steps (server/config.py). The server does it for its p
 chunk range at a time (server/fragment.py), applying exactly the decoded values it sends,
 so the replicas that learners rebuild from the updates are bit-identical to the server's.
 
-The selection runs in C on CPU tensors (common/fp4_kernel.c: topk_select, a radix select per
+The selection runs in C on CPU tensors (common/topk_kernel.c: topk_select, a radix select per
 chunk, bit-identical to the torch path; tests/unit/test_sparse.py checks it) and as torch.topk
 elsewhere; the rest is vectorized torch over the kept entries (bench/perf.py measures the
 encoder against clone()).

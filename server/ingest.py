@@ -13,7 +13,7 @@ wire encoding (4 bits per value for fp4) and is read twice: once before the lock
 every value and compute the norm the NormGuard needs, and once straight into the round's sum
 (under the lock, or after it for a push added with the deferred ones: server/round_adds.py).
 
-fp4 pushes take the C kernel (common/fp4_kernel.c: fp4_stats, fp4_accumulate), one pass over
+fp4 pushes take the C kernel (common/fp4_stats.c, common/fp4_accumulate.c), one pass over
 the packed codes each, reading the wire bytes in place, with the GIL released so that pushes
 in other slots proceed in parallel. Profiled (bench/ingest.py --quick, py-spy), the torch
 chunk path spends ~27 ms per 4 M-value push on the checks and ~17 ms under the lock on the
