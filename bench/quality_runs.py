@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -157,9 +157,11 @@ def run_rows(
         return out
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = {row: pool.submit(run_variant, *jobs[row], 1) for row in todo}
-        for row, future in futures.items():
-            finish(row, future.result())
+        futures = {pool.submit(run_variant, *jobs[row], 1): row for row in todo}
+        # Each run is kept as soon as it ends: a failure or a kill later loses only the runs
+        # still going, not the finished ones queued behind a long run.
+        for future in as_completed(futures):
+            finish(futures[future], future.result())
     return out
 
 
