@@ -54,7 +54,7 @@ def trend_rows(args: argparse.Namespace) -> list[Row]:
     rows = []
     for seed in args.seeds:
         for steps in args.steps_list:
-            rows.append(Row("dp", lr=args.dp_lr, steps=steps, seed=seed))
+            rows.extend(Row("dp", lr=lr, steps=steps, seed=seed) for lr in args.dp_lr)
             for codec in args.codecs:
                 name, _, fraction = codec.partition(":")
                 topk = float(fraction or 0)
@@ -93,7 +93,13 @@ def main() -> int:
     parser.add_argument(
         "--codecs", nargs="+", default=["fp4"], help="trend: codec or codec:topk rows"
     )
-    parser.add_argument("--dp-lr", type=float, default=2e-3, help="trend: data-parallel's lr")
+    parser.add_argument(
+        "--dp-lr",
+        type=float,
+        nargs="+",
+        default=[2e-3],
+        help="trend: data-parallel's lrs (each row's gap is against the best at its length)",
+    )
     parser.add_argument("--inner-lr", type=float, default=2e-3, help="trend: the learners' lr")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
