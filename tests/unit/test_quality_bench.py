@@ -79,10 +79,14 @@ def test_the_trend_has_every_row_at_every_step_count_and_seed() -> None:
 
     args = argparse.Namespace(
         seeds=[0, 1], steps_list=[1000, 3000], codecs=["fp4", "sparse-2bit:0.015625"], h=[20],
-        dp_lr=2e-3, inner_lr=2e-3, residual_in_model=False,
+        dp_lr=[2e-3], inner_lr=2e-3, residual_in_model=False,
     )  # fmt: skip
     rows = trend_rows(args)
     assert len(rows) == 2 * 2 * 3 and len(set(rows)) == len(rows)
+    args.dp_lr = [2e-3, 1e-3]  # one data-parallel row per lr
+    assert Row("dp", lr=1e-3, steps=3000, seed=0) in trend_rows(args)
+    assert len(trend_rows(args)) == 2 * 2 * 4
+    args.dp_lr = [2e-3]
     assert Row("sparse-2bit", h=20, topk=0.015625, lr=2e-3, steps=3000, seed=1) in rows
     assert Row("dp", lr=2e-3, steps=1000, seed=1) in rows
     assert not any(row.feedback_in_model for row in rows)
