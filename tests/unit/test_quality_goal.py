@@ -1,0 +1,80 @@
+"""bench/quality_goal.py: the goal's terms over seeds at a step count, from cached runs only."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from bench import quality_goal
+from bench.quality_goal import judge
+from bench.quality_runs import Row, cache_key
+
+TOKENS_PER_STEP = 16 * 4 * 128  # Setup's batch_size * learners * block_size
+
+
+def cached(stored: dict, row: Row, losses: dict[int, float], bytes_per_step: float) -> None:
+    """Put a run of `row` in `stored`: eval loss `losses[step]` at each of those steps."""
+    curve = [(0, 5.0)] + [(s * TOKENS_PER_STEP, loss) for s, loss in sorted(losses.items())]
+    result = {"variant": {}, "eval_loss": curve[-1][1], "curve": curve,
+              "bytes_per_learner": int(bytes_per_step * row.steps)}  # fmt: skip
+    stored[cache_key(row.setup(), row.variant())] = result
+
+
+def test_each_seed_is_read_from_its_shortest_run_that_reaches_the_step() -> None:
+    stored: dict = {}
+    for seed, dp_loss in ((0, 1.0), (1, 2.0)):
+        cached(stored, Row("dp", lr=2e-3, steps=5000, seed=seed), {5000: dp_loss}, 1000.0)
+    # seed 0 from a longer run's curve (and a shorter run that does not reach 5,000 steps)
+    cached(stored, Row("fp4", h=100, lr=2e-3, steps=3000, seed=0), {3000: 9.0}, 1.0)
+    cached(stored, Row("fp4", h=100, lr=2e-3, steps=10000, seed=0), {5000: 1.02, 10000: 0.9}, 1.0)
+    cached(stored, Row("fp4", h=100, lr=2e-3, steps=5000, seed=1), {5000: 2.0}, 1.0)
+    cached(stored, Row("fp4", h=100, lr=2e-3, steps=20000, seed=1), {5000: 7.0}, 1.0)
+    entries, missing = judge(stored, [Row("fp4", h=100, lr=2e-3)], [2e-3], [0, 1], 5000)
+    assert missing == []
+    (fp4,) = entries
+    assert fp4["eval_losses"] == [1.02, 2.0] and fp4["gaps"] == pytest.approx([0.02, 0.0])
+    assert fp4["gap_vs_dp"] == pytest.approx(0.01)
+    assert fp4["gap_std"] == pytest.approx(0.01414, 1e-3)
+    assert fp4["bytes_ratio_vs_dp"] == pytest.approx(1000.0)  # per step: the runs' lengths differ
+
+
+def test_each_seed_is_judged_against_its_best_data_parallel_lr() -> None:
+    stored: dict = {}
+    cached(stored, Row("dp", lr=2e-3, steps=1000, seed=0), {1000: 1.5}, 10.0)
+    cached(stored, Row("dp", lr=1e-3, steps=1000, seed=0), {1000: 1.2}, 10.0)
+    cached(stored, Row("fp4", h=20, lr=2e-3, steps=1000, seed=0), {1000: 1.5}, 1.0)
+    (fp4,), _ = judge(stored, [Row("fp4", h=20, lr=2e-3)], [2e-3, 1e-3], [0], 1000)
+    assert fp4["gap_vs_dp"] == pytest.approx(0.25) and fp4["dp_lr"] == [1e-3]
+
+
+def test_a_missing_run_is_named_and_its_row_left_out() -> None:
+    stored: dict = {}
+    cached(stored, Row("dp", lr=2e-3, steps=1000, seed=0), {1000: 1.5}, 10.0)
+    cached(stored, Row("fp4", h=20, lr=2e-3, steps=1000, seed=0), {1000: 1.5}, 1.0)
+    entries, missing = judge(stored, [Row("fp4", h=20, lr=2e-3)], [2e-3], [0, 1], 1000)
+    assert entries == []  # a mean over fewer seeds than asked is not reported
+    assert missing == [
+        "data-parallel lr 0.002 seed 1, >= 1000 steps",
+        "fp4 H=20 lr 0.002 seed 1, >= 1000 steps",
+    ]
+    with pytest.raises(ValueError, match="no eval at 500"):
+        judge(stored, [Row("fp4", h=20, lr=2e-3)], [2e-3], [0], 500)
+
+
+def test_the_command_exits_1_naming_what_to_train(tmp_path, monkeypatch, capsys) -> None:
+    stored: dict = {}
+    cached(stored, Row("dp", lr=2e-3, steps=1000, seed=0), {1000: 1.5}, 1500.0)
+    cached(stored, Row("fp4", h=20, lr=2e-3, steps=1000, seed=0), {1000: 1.51}, 1.0)
+    (tmp_path / "quality_runs.json").write_text(json.dumps(stored))
+    argv = ["quality_goal.py", "--rows", "fp4:20", "--seeds", "0", "--at", "1000",
+            "--out", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    assert quality_goal.main() == 0
+    assert "1000 steps: best bytes ratio at mean gap <= 1%: 1500x" in capsys.readouterr().out
+    goal = json.loads((tmp_path / "quality_sweep.json").read_text())["goal"]
+    assert goal["rows"][0]["gap_vs_dp"] == pytest.approx(0.01 / 1.5)
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "0", "1", *argv[5:]])
+    assert quality_goal.main() == 1
+    assert "seed 1, >= 1000 steps" in capsys.readouterr().out
