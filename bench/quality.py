@@ -137,6 +137,12 @@ def best_ratio(entries: list[dict], max_gap: float) -> dict | None:
     return max(within, key=lambda e: e["bytes_ratio_vs_dp"], default=None)
 
 
+def best_ratio_text(entries: list[dict], max_gap: float) -> str:
+    """best_ratio as printed: "1120x (its row)", or "none"."""
+    best = best_ratio(entries, max_gap)
+    return "none" if best is None else f"{best['bytes_ratio_vs_dp']:.0f}x ({best['name']})"
+
+
 def check(entries: list[dict]) -> list[str]:
     lines = []
 
@@ -144,8 +150,7 @@ def check(entries: list[dict]) -> list[str]:
         lines.append(f"{'PASS' if ok else 'FAIL'}  {text}")
 
     for limit in (0.01, 0.03):
-        best = best_ratio(entries, limit)
-        text = "none" if best is None else f"{best['bytes_ratio_vs_dp']:.0f}x ({best['name']})"
+        text = best_ratio_text(entries, limit)
         lines.append(f"INFO  best bytes ratio vs tuned DP at mean gap <= {limit:.0%}: {text}")
     best = best_ratio(entries, 0.01)
     verdict(

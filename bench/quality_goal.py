@@ -24,15 +24,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.quality import best_ratio, mean_std, parse_row, pm  # noqa: E402
+from bench.quality import best_ratio_text, mean_std, parse_row, pm  # noqa: E402
 from bench.quality_runs import Row, cache_key  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def shortest_run(stored: dict, row: Row, at: int) -> tuple[Row, dict] | None:
-    """The cached run with `row`'s settings and the fewest steps >= `at`, or None."""
-    lengths = sorted({json.loads(key)["setup"]["steps"] for key in stored})
+def run_lengths(stored: dict) -> list[int]:
+    """The step counts of the cached runs, shortest first."""
+    return sorted({json.loads(key)["setup"]["steps"] for key in stored})
+
+
+def shortest_run(stored: dict, lengths: list[int], row: Row, at: int) -> tuple[Row, dict] | None:
+    """The cached run with `row`'s settings and the fewest steps >= `at` (of `lengths`)."""
     for steps in (s for s in lengths if s >= at):
         run = replace(row, steps=steps)
         hit = stored.get(cache_key(run.setup(), run.variant()))
@@ -60,9 +64,10 @@ def judge(
 ) -> tuple[list[dict], list[str]]:
     """Each row's entry at step `at` over `seeds`, and the runs the cache lacks."""
     missing: list[str] = []
+    lengths = run_lengths(stored)
 
     def find(row: Row) -> tuple[Row, dict] | None:
-        found = shortest_run(stored, row, at)
+        found = shortest_run(stored, lengths, row, at)
         if found is None:
             missing.append(f"{row.method} seed {row.seed}, >= {at} steps")
         return found
@@ -143,8 +148,7 @@ def main() -> int:
                 flush=True,
             )
         for limit in (0.01, 0.03):
-            best = best_ratio(entries, limit)
-            text = "none" if best is None else f"{best['bytes_ratio_vs_dp']:.0f}x ({best['name']})"
+            text = best_ratio_text(entries, limit)
             checks.append(f"{at} steps: best bytes ratio at mean gap <= {limit:.0%}: {text}")
     print("\n".join(checks))
     if missing:
