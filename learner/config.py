@@ -203,7 +203,8 @@ class TrainingConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    """Periodic checkpoints, resumed from at start (learner/checkpoint.py)."""
+    """Where a learner starts: its periodic checkpoint (learner/checkpoint.py), resumed from
+    at start, or else a parameters file."""
 
     checkpoint_dir: str = ""
     """Folder of this learner's checkpoint (checkpoint.pt): written periodically, and resumed
@@ -212,6 +213,10 @@ class CheckpointConfig:
     """Write the checkpoint every this many inner steps (0: by time only)."""
     checkpoint_every_s: float = 60.0
     """Write the checkpoint at least this often, at an inner step (0: by steps only)."""
+    init_params: str = ""
+    """Start from the parameters in this file (diloco-export's .safetensors or .pt, or
+    --save-params' output) instead of a fresh model; the first learner to join gives them to
+    the server. A checkpoint in checkpoint_dir takes precedence (empty: a fresh model)."""
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "checkpoint_every_steps", "checkpoint_every_s")

@@ -41,6 +41,7 @@ from learner.checkpoint import (
 )
 from learner.config import LearnerConfig, resolve_device
 from learner.data import BatchSampler, ShardedSampler, load_corpus
+from learner.initial_params import load_initial_params
 from learner.island import Island
 from learner.model import GPT
 from learner.progress import Progress
@@ -75,7 +76,15 @@ class Learner:
         torch.manual_seed(training.seed)
         self.device = island.start(resolve_device(training.device))
         # Initialised on the CPU, then moved: the same seed gives the same model anywhere.
-        self.model = GPT(model_cfg).to(self.device)
+        model = GPT(model_cfg)
+        if config.checkpoint.init_params:
+            load_initial_params(model, config.checkpoint.init_params)
+            log.info(
+                "learner=%s starts from %s",
+                config.connection.learner_id,
+                config.checkpoint.init_params,
+            )
+        self.model = model.to(self.device)
         self.train_model = island.wrap(self.model)  # DDP across the island's ranks
         self.eval_model = copy.deepcopy(self.model)  # holds the global parameters for eval
         self.params = [p for _, p in self.model.named_parameters()]

@@ -1,6 +1,7 @@
 """diloco-export on a real run's state dir: the exported file loads into a fresh model of the
 learners' kind with exactly the server's parameters, after a clean stop and after a crash
-(the log replayed), as safetensors and as a torch state dict."""
+(the log replayed), as safetensors and as a torch state dict; and a learner started from it
+(--init-params) carries the trained model over to a new server."""
 
 from __future__ import annotations
 
@@ -106,6 +107,21 @@ def test_exported_model_is_the_servers(start_service, start_learner, tmp_path: P
     assert list(state_dict) == names
     assert all(torch.equal(state_dict[n], server_params[n]) for n in names)
     assert eval_loss(fresh_model(state_dict)) == server_loss
+
+    # Carried over to a new server (docs/deploy.md, changing the shard count): a learner that
+    # starts from the export is the first to join, so it hands the new server the trained
+    # parameters, and its first evaluation (of the global parameters) is the trained loss.
+    carried = start_service(min_contributors=1, fragments=2, state_dir=str(tmp_path / "new"))
+    init = ["--init-params", str(tmp_path / "state.safetensors")]
+    summary_c = tmp_path / "c.json"
+    proc = start_learner(
+        carried.port, "c", "--n-layer", "2", "--max-outer-steps", "1", *init,
+        "--summary-file", str(summary_c),
+    )  # fmt: skip
+    assert proc.wait(timeout=180) == 0, learner_log(tmp_path, "c")
+    first_loss = json.loads(summary_c.read_text())["eval_losses"][0]
+    assert first_loss == pytest.approx(server_loss, rel=1e-5)  # torch's threads may differ
+    assert first_loss < summary["eval_losses"][0]
 
 
 def joined_only(state_dir: Path) -> Path:
