@@ -5,7 +5,8 @@
 Needs a running Docker engine and docker-compose (e.g. Debian's docker.io and docker-compose
 packages). Works offline: if no base image is given (BASE_IMAGE), one is built from Debian
 packages with debootstrap (root), including Debian's prometheus for the Prometheus
-container; wheels come from pip's configured index into deploy/wheels/. Runs with
+container (PROMETHEUS_IMAGE, by default the base image: it needs a `prometheus` command);
+wheels come from pip's configured index into deploy/wheels/. Runs with
 deploy/docker-compose.host.yml, so every container uses host networking on 127.0.0.1.
 Grafana is left out here (no offline image); its provisioning is checked by
 tests/unit/test_deploy_manifests.py.
@@ -77,11 +78,24 @@ def main_archive_mirror(deb822_sources: list[str], suite: str = "bookworm") -> s
     return "http://deb.debian.org/debian"
 
 
+def images(environ: dict[str, str]) -> tuple[str, str]:
+    """(base image, Prometheus image): BASE_IMAGE, or the one built here, which also holds
+    Debian's prometheus; PROMETHEUS_IMAGE, or the base image (so a BASE_IMAGE without a
+    `prometheus` command needs a PROMETHEUS_IMAGE too)."""
+    base = environ.get("BASE_IMAGE") or DEFAULT_BASE
+    return base, environ.get("PROMETHEUS_IMAGE") or base
+
+
 def ensure_base_image(base: str) -> None:
+    """The base image, built with debootstrap if it is the default one and absent; a
+    BASE_IMAGE that is not local is a RuntimeError (nothing is pulled)."""
     if subprocess.run(["docker", "image", "inspect", base], capture_output=True).returncode == 0:
         return
     if base != DEFAULT_BASE:
-        raise RuntimeError(f"base image {base} not found")
+        raise RuntimeError(
+            f"base image {base} is not in the local Docker engine (pull or build it first, or "
+            "leave BASE_IMAGE unset to build one with debootstrap)"
+        )
     log(f"building {base} with debootstrap (about 2 minutes)")
     sources = sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))
     mirror = main_archive_mirror([source.read_text() for source in sources])
@@ -166,16 +180,19 @@ def main() -> int:
             )
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         parser.exit(2, "compose_smoke: error: the Docker engine is not running (start dockerd)\n")
-    base = os.environ.get("BASE_IMAGE", DEFAULT_BASE)
+    base, prometheus_image = images(dict(os.environ))
     started = time.monotonic()
-    ensure_base_image(base)
+    try:
+        ensure_base_image(base)
+    except RuntimeError as err:
+        parser.exit(2, f"compose_smoke: error: {err}\n")
     ensure_wheels()
     log("building the image")
     sh(
         "docker", "build", "-q", "--network", "host", "-f", "deploy/Dockerfile",
         "--build-arg", f"BASE_IMAGE={base}", "-t", IMAGE, ".",
     )  # fmt: skip
-    env = {**os.environ, "DILOCO_IMAGE": IMAGE, "PROMETHEUS_IMAGE": base}
+    env = {**os.environ, "DILOCO_IMAGE": IMAGE, "PROMETHEUS_IMAGE": prometheus_image}
     compose = ["docker-compose", "-p", PROJECT, "-f", host_network_config(env)]
     try:
         sh(*compose, "up", "-d", "--no-build", *SERVICES, env=env)

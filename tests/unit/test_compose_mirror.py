@@ -1,7 +1,8 @@
 """The compose smoke test builds its base image from Debian's main archive, whatever else apt
-lists (a security archive listed last has no Release file for the plain suite)."""
+lists (a security archive listed last has no Release file for the plain suite), and takes
+its images from BASE_IMAGE and PROMETHEUS_IMAGE."""
 
-from deploy.compose_smoke import main_archive_mirror
+from deploy.compose_smoke import DEFAULT_BASE, images, main_archive_mirror
 
 MAIN = """Types: deb
 # a comment: with a colon
@@ -24,3 +25,10 @@ def test_the_main_archive_wins_over_a_security_archive_listed_after_it() -> None
 def test_no_stanza_for_the_suite_falls_back_to_debians_default() -> None:
     assert main_archive_mirror([SECURITY]) == "http://deb.debian.org/debian"
     assert main_archive_mirror([]) == "http://deb.debian.org/debian"
+
+
+def test_the_images_default_to_the_built_base_and_can_be_set_apart() -> None:
+    assert images({}) == (DEFAULT_BASE, DEFAULT_BASE)
+    assert images({"BASE_IMAGE": "py:3.11"}) == ("py:3.11", "py:3.11")
+    assert images({"BASE_IMAGE": "py:3.11", "PROMETHEUS_IMAGE": "prom:2"}) == ("py:3.11", "prom:2")
+    assert images({"BASE_IMAGE": ""}) == (DEFAULT_BASE, DEFAULT_BASE)  # empty: unset
