@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 WHEELS = DEPLOY / "wheels"
 DEFAULT_BASE = "local/py311-base:bookworm"
+IMAGE_PYTHON = (3, 11)  # Debian bookworm's python3, in DEFAULT_BASE
 IMAGE = "decoupled-diloco:dev"
 PROJECT = "diloco-smoke"
 PROMETHEUS = "http://127.0.0.1:19090"
@@ -109,9 +110,26 @@ def ensure_base_image(base: str) -> None:
     shutil.rmtree(rootfs, ignore_errors=True)
 
 
-def ensure_wheels() -> None:
+def wheel_python_problem(base: str, host: tuple[int, int]) -> str | None:
+    """Why pip on this host cannot fill deploy/wheels/ for the image, or None: pip downloads
+    wheels for its own Python, and the image built here runs Debian bookworm's 3.11."""
+    if base != DEFAULT_BASE or host == IMAGE_PYTHON:
+        return None
+    image, here = ".".join(map(str, IMAGE_PYTHON)), ".".join(map(str, host))
+    return (
+        f"the base image runs Python {image} but this is Python {here}, so pip here would "
+        f"download wheels the image cannot install: run it from a Python {image} venv "
+        f"(make compose-smoke PYTHON=python{image}, after make clean) or put {image} wheels in "
+        "deploy/wheels/"
+    )
+
+
+def ensure_wheels(base: str) -> None:
     if any(WHEELS.glob("torch-*.whl")):
         return
+    problem = wheel_python_problem(base, sys.version_info[:2])
+    if problem:
+        raise RuntimeError(problem)
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     deps = [d for d in project["dependencies"] if not d.startswith("torch")]
     torch_spec = os.environ.get("TORCH_SPEC", "torch==2.13.0")
@@ -183,10 +201,10 @@ def main() -> int:
     base, prometheus_image = images(dict(os.environ))
     started = time.monotonic()
     try:
+        ensure_wheels(base)  # first: a Python mismatch ends it before debootstrap runs
         ensure_base_image(base)
     except RuntimeError as err:
         parser.exit(2, f"compose_smoke: error: {err}\n")
-    ensure_wheels()
     log("building the image")
     sh(
         "docker", "build", "-q", "--network", "host", "-f", "deploy/Dockerfile",

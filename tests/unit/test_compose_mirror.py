@@ -1,8 +1,9 @@
 """The compose smoke test builds its base image from Debian's main archive, whatever else apt
 lists (a security archive listed last has no Release file for the plain suite), and takes
-its images from BASE_IMAGE and PROMETHEUS_IMAGE."""
+its images from BASE_IMAGE and PROMETHEUS_IMAGE; it refuses to fill deploy/wheels/ from a Python
+other than the built image's."""
 
-from deploy.compose_smoke import DEFAULT_BASE, images, main_archive_mirror
+from deploy.compose_smoke import DEFAULT_BASE, images, main_archive_mirror, wheel_python_problem
 
 MAIN = """Types: deb
 # a comment: with a colon
@@ -32,3 +33,11 @@ def test_the_images_default_to_the_built_base_and_can_be_set_apart() -> None:
     assert images({"BASE_IMAGE": "py:3.11"}) == ("py:3.11", "py:3.11")
     assert images({"BASE_IMAGE": "py:3.11", "PROMETHEUS_IMAGE": "prom:2"}) == ("py:3.11", "prom:2")
     assert images({"BASE_IMAGE": ""}) == (DEFAULT_BASE, DEFAULT_BASE)  # empty: unset
+
+
+def test_wheels_for_the_built_image_come_from_its_python_only() -> None:
+    assert wheel_python_problem(DEFAULT_BASE, (3, 11)) is None
+    problem = wheel_python_problem(DEFAULT_BASE, (3, 12))
+    assert problem and "Python 3.11 but this is Python 3.12" in problem
+    assert "PYTHON=python3.11" in problem
+    assert wheel_python_problem("my/base:py312", (3, 12)) is None  # a base of the user's own
