@@ -25,7 +25,7 @@ from torch import nn
 
 __all__ = ["load_initial_params", "read_params_file"]
 
-_SHOWN = 5  # names listed in an error; the rest counted
+_SHOWN = 5  # names or problems listed in an error; the rest counted
 # What reading a file that is not a parameters file raises (torch.load: a bad zip is a
 # RuntimeError, a pickle it refuses an UnpicklingError).
 _UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError, safetensors.SafetensorError)
@@ -40,7 +40,7 @@ def read_params_file(path: str) -> dict[str, torch.Tensor]:
         else:  # weights_only: a parameters file runs no code when it is read
             loaded = torch.load(file, map_location="cpu", weights_only=True)
     except _UNREADABLE as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"init_params {path}: cannot read it: {reason}") from err
     if not isinstance(loaded, dict) or not all(
         isinstance(name, str) and isinstance(value, torch.Tensor) for name, value in loaded.items()
@@ -60,9 +60,9 @@ def load_initial_params(model: nn.Module, path: str) -> None:
     missing = [name for name in own if name not in params]
     unexpected = [name for name in params if name not in own]
     if missing:
-        problems.append(f"missing {_names(missing)}")
+        problems.append(f"missing {_first(missing)}")
     if unexpected:
-        problems.append(f"not in the model {_names(unexpected)}")
+        problems.append(f"not in the model {_first(unexpected)}")
     for name, p in own.items():
         value = params.get(name)
         if value is None:
@@ -74,14 +74,13 @@ def load_initial_params(model: nn.Module, path: str) -> None:
         elif not bool(torch.isfinite(value).all()):
             problems.append(f"{name} holds NaN or infinite values")
     if problems:
-        shown = "; ".join(problems[:_SHOWN])
-        more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
-        raise ValueError(f"init_params {path} does not fit the model: {shown}{more}")
+        raise ValueError(f"init_params {path} does not fit the model: {_first(problems, '; ')}")
     with torch.no_grad():
         for name, p in own.items():
             p.copy_(params[name].to(p.dtype))
 
 
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:_SHOWN])
-    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+def _first(items: list[str], separator: str = ", ") -> str:
+    """The first _SHOWN items joined, and how many more there are."""
+    shown = separator.join(items[:_SHOWN])
+    return shown + (f" and {len(items) - _SHOWN} more" if len(items) > _SHOWN else "")
