@@ -40,6 +40,11 @@ def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
     return path
 
 
+def checkpoint_exists(directory: Path) -> bool:
+    """Whether `directory` holds a checkpoint to resume from (readable or not)."""
+    return (directory / CHECKPOINT_NAME).exists()
+
+
 def load_checkpoint(directory: Path) -> dict[str, Any] | None:
     """The checkpoint in `directory`, or None if none was written yet."""
     path = directory / CHECKPOINT_NAME

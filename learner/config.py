@@ -216,7 +216,8 @@ class CheckpointConfig:
     init_params: str = ""
     """Start from the parameters in this file (diloco-export's .safetensors or .pt, or
     --save-params' output) instead of a fresh model; the first learner to join gives them to
-    the server. A checkpoint in checkpoint_dir takes precedence (empty: a fresh model)."""
+    the server. When checkpoint_dir holds a checkpoint, the learner resumes from it and does
+    not read this file (empty: a fresh model)."""
 
     def __post_init__(self) -> None:
         _at_least(self, 0, "checkpoint_every_steps", "checkpoint_every_s")

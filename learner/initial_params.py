@@ -6,7 +6,7 @@ The file is what diloco-export or `--save-params` writes: a safetensors file, or
 a {name: tensor} dict. It seeds a run: the first learner to join hands the server its
 parameters, so learners that start from an exported model carry a run over to a new server
 or a new set of shards (docs/deploy.md). A server that already holds parameters keeps them,
-and a learner's checkpoint, when there is one, takes precedence over the file.
+and a learner with a checkpoint resumes from it without reading the file (trainer.py).
 
 The file must hold exactly the model's parameters (named_parameters() names, shapes, floating
 point, finite); anything else is one error naming what differs, and the model is left as it

@@ -36,6 +36,7 @@ from learner.checkpoint import (
     PROGRESS_FIELDS,
     CheckpointClock,
     check_compatible,
+    checkpoint_exists,
     load_checkpoint,
     save_checkpoint,
 )
@@ -47,9 +48,29 @@ from learner.model import GPT
 from learner.progress import Progress
 from learner.simulated_speed import SimulatedSpeed
 
-__all__ = ["Learner", "Progress"]
+__all__ = ["Learner", "Progress", "initial_model"]
 
 log = logging.getLogger("diloco.learner")
+
+
+def initial_model(config: LearnerConfig) -> GPT:
+    """The model a learner starts from: freshly initialised from the seed, or --init-params'
+    file. When checkpoint_dir holds a checkpoint, the file is not read at all: the checkpoint
+    replaces the parameters anyway, and a restart must not depend on a file that only the
+    first start needed."""
+    model = GPT(config.model)
+    ckpt = config.checkpoint
+    if not ckpt.init_params:
+        return model
+    if ckpt.checkpoint_dir and checkpoint_exists(Path(ckpt.checkpoint_dir)):
+        log.info(
+            "learner=%s resumes from its checkpoint; --init-params not read",
+            config.connection.learner_id,
+        )
+        return model
+    load_initial_params(model, ckpt.init_params)
+    log.info("learner=%s starts from %s", config.connection.learner_id, ckpt.init_params)
+    return model
 
 
 class InnerStep(NamedTuple):
@@ -76,15 +97,7 @@ class Learner:
         torch.manual_seed(training.seed)
         self.device = island.start(resolve_device(training.device))
         # Initialised on the CPU, then moved: the same seed gives the same model anywhere.
-        model = GPT(model_cfg)
-        if config.checkpoint.init_params:
-            load_initial_params(model, config.checkpoint.init_params)
-            log.info(
-                "learner=%s starts from %s",
-                config.connection.learner_id,
-                config.checkpoint.init_params,
-            )
-        self.model = model.to(self.device)
+        self.model = initial_model(config).to(self.device)
         self.train_model = island.wrap(self.model)  # DDP across the island's ranks
         self.eval_model = copy.deepcopy(self.model)  # holds the global parameters for eval
         self.params = [p for _, p in self.model.named_parameters()]

@@ -10,9 +10,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from learner.checkpoint import save_checkpoint
+from learner.config import CheckpointConfig, LearnerConfig
 from learner.initial_params import load_initial_params
 from learner.main import parse_config
 from learner.model import GPT, GPTConfig
+from learner.trainer import initial_model
 
 MODEL = GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, vocab_size=64)
 
@@ -111,3 +114,24 @@ def test_the_flag_and_its_environment_variable() -> None:
     environ = {"DILOCO_INIT_PARAMS": "m.pt"}
     assert parse_config([], environ).checkpoint.init_params == "m.pt"
     assert parse_config([]).checkpoint.init_params == ""
+
+
+def learner_config(init_params: str, checkpoint_dir: Path) -> LearnerConfig:
+    checkpoint = CheckpointConfig(init_params=init_params, checkpoint_dir=str(checkpoint_dir))
+    return LearnerConfig(model=MODEL, checkpoint=checkpoint)
+
+
+def test_the_learner_starts_from_the_file_when_it_has_no_checkpoint(tmp_path: Path) -> None:
+    saved = model_params(seed=1)
+    save_file(saved, str(tmp_path / "model.safetensors"))
+    model = initial_model(learner_config(str(tmp_path / "model.safetensors"), tmp_path / "ckpt"))
+    assert unchanged(model, saved)
+    with pytest.raises(ValueError, match="cannot read it"):  # no checkpoint: the file must be there
+        initial_model(learner_config(str(tmp_path / "gone.safetensors"), tmp_path / "ckpt"))
+
+
+def test_a_checkpoint_means_the_file_is_not_read(tmp_path: Path) -> None:
+    """A restart resumes from the checkpoint, so it must not need the first start's file."""
+    save_checkpoint(tmp_path / "ckpt", {"format": 1})
+    model = initial_model(learner_config(str(tmp_path / "gone.safetensors"), tmp_path / "ckpt"))
+    assert isinstance(model, GPT)
