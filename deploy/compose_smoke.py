@@ -2,14 +2,14 @@
 
     python deploy/compose_smoke.py [--timeout-s 600] [--keep]
 
-Needs a running Docker engine and docker-compose (e.g. Debian's docker.io and docker-compose
-packages). Works offline: if no base image is given (BASE_IMAGE), one is built from Debian
-packages with debootstrap (root), including Debian's prometheus for the Prometheus
-container (PROMETHEUS_IMAGE, by default the base image: it needs a `prometheus` command);
-wheels come from pip's configured index into deploy/wheels/. Runs with
-deploy/docker-compose.host.yml, so every container uses host networking on 127.0.0.1.
-Grafana is left out here (no offline image); its provisioning is checked by
-tests/unit/test_deploy_manifests.py.
+Needs a running Docker engine and Compose: the `docker-compose` command (e.g. Debian's docker.io
+and docker-compose packages), or else the Docker CLI's `docker compose` plugin. Works offline:
+if no base image is given (BASE_IMAGE), one is built from Debian packages with debootstrap
+(root), including Debian's prometheus for the Prometheus container (PROMETHEUS_IMAGE, by
+default the base image: it needs a `prometheus` command); wheels come from pip's configured
+index into deploy/wheels/. Runs with deploy/docker-compose.host.yml, so every container uses
+host networking on 127.0.0.1. Grafana is left out here (no offline image); its provisioning
+is checked by tests/unit/test_deploy_manifests.py.
 
 Steps, each bounded in time: build; up 2 server shards + 3 learners + Prometheus; wait until
 Prometheus has every target up, every learner has finished outer steps and each shard has
@@ -138,14 +138,24 @@ def ensure_wheels(base: str) -> None:
     sh(*pip, torch_spec, *deps, "setuptools>=68", "wheel")
 
 
-def host_network_config(env: dict) -> str:
+def compose_command(which=shutil.which, run=subprocess.run) -> list[str] | None:
+    """How to call Compose here: the `docker-compose` command if there is one, else the
+    Docker CLI's compose plugin (`docker compose`), else None."""
+    if which("docker-compose"):
+        return ["docker-compose"]
+    if run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return None
+
+
+def host_network_config(compose: list[str], env: dict) -> str:
     """docker-compose.yml with the host-network override applied, as one file.
 
     Compose v1 cannot remove a key in an override, and published ports are refused with host
     networking, so they are dropped here (every port is then on 127.0.0.1 already).
     """
     merged = sh(
-        "docker-compose", "-f", "deploy/docker-compose.yml",
+        *compose, "-f", "deploy/docker-compose.yml",
         "-f", "deploy/docker-compose.host.yml", "config", env=env, quiet=True,
     )  # fmt: skip
     config = yaml.safe_load(merged)  # paths in it are absolute
@@ -191,11 +201,15 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="leave the containers running")
     args = parser.parse_args()
     deadline = time.monotonic() + args.timeout_s
-    for tool in ("docker", "docker-compose"):
-        if shutil.which(tool) is None:
-            parser.exit(
-                2, f"compose_smoke: error: {tool} not found (install Docker and docker-compose)\n"
-            )
+    if shutil.which("docker") is None:
+        parser.exit(2, "compose_smoke: error: docker not found (install Docker)\n")
+    compose_tool = compose_command()
+    if compose_tool is None:
+        parser.exit(
+            2,
+            "compose_smoke: error: neither docker-compose nor the docker compose plugin found "
+            "(install one, e.g. Debian's docker-compose)\n",
+        )
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         parser.exit(2, "compose_smoke: error: the Docker engine is not running (start dockerd)\n")
     base, prometheus_image = images(dict(os.environ))
@@ -211,7 +225,7 @@ def main() -> int:
         "--build-arg", f"BASE_IMAGE={base}", "-t", IMAGE, ".",
     )  # fmt: skip
     env = {**os.environ, "DILOCO_IMAGE": IMAGE, "PROMETHEUS_IMAGE": prometheus_image}
-    compose = ["docker-compose", "-p", PROJECT, "-f", host_network_config(env)]
+    compose = [*compose_tool, "-p", PROJECT, "-f", host_network_config(compose_tool, env)]
     try:
         sh(*compose, "up", "-d", "--no-build", *SERVICES, env=env)
         targets = len(SHARDS) + len(LEARNERS)

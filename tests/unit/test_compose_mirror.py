@@ -1,9 +1,18 @@
 """The compose smoke test builds its base image from Debian's main archive, whatever else apt
 lists (a security archive listed last has no Release file for the plain suite), and takes
 its images from BASE_IMAGE and PROMETHEUS_IMAGE; it refuses to fill deploy/wheels/ from a Python
-other than the built image's."""
+other than the built image's; it runs Compose as `docker-compose` or as the `docker compose`
+plugin, whichever is installed."""
 
-from deploy.compose_smoke import DEFAULT_BASE, images, main_archive_mirror, wheel_python_problem
+import subprocess
+
+from deploy.compose_smoke import (
+    DEFAULT_BASE,
+    compose_command,
+    images,
+    main_archive_mirror,
+    wheel_python_problem,
+)
 
 MAIN = """Types: deb
 # a comment: with a colon
@@ -41,3 +50,15 @@ def test_wheels_for_the_built_image_come_from_its_python_only() -> None:
     assert problem and "Python 3.11 but this is Python 3.12" in problem
     assert "PYTHON=python3.11" in problem
     assert wheel_python_problem("my/base:py312", (3, 12)) is None  # a base of the user's own
+
+
+def test_compose_is_the_standalone_command_or_else_the_docker_plugin() -> None:
+    def plugin(returncode: int):
+        return lambda argv, **_: subprocess.CompletedProcess(argv, returncode)
+
+    def which(installed: set[str]):
+        return lambda tool: f"/usr/bin/{tool}" if tool in installed else None
+
+    assert compose_command(which({"docker-compose"}), plugin(0)) == ["docker-compose"]
+    assert compose_command(which(set()), plugin(0)) == ["docker", "compose"]
+    assert compose_command(which(set()), plugin(1)) is None
