@@ -1,7 +1,7 @@
 """TLS and mutual TLS between learners and the server, with throwaway certificates.
 
-Certificates are made at run time with the openssl command-line tool (elliptic-curve keys,
-valid for one day); no key is committed.
+Certificates are made at run time by deploy/make_certs.sh (the openssl command-line tool);
+no key is committed.
 """
 
 from __future__ import annotations
@@ -21,42 +21,37 @@ from server.config import ServerConfig
 from tests.support.processes import REPO, TINY_LEARNER_FLAGS
 
 SPECS = [pb.ParamSpec(name="w", shape=[4], dtype="float32")]
-EC_KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+MAKE_CERTS = REPO / "deploy" / "make_certs.sh"
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def make_ca(folder: Path, name: str) -> None:
-    openssl(
-        "req", "-x509", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.crt",
-        "-days", "1", "-subj", f"/CN={name}", cwd=folder,
-    )  # fmt: skip
-
-
-def make_cert(folder: Path, name: str, ca: str, san: str) -> None:
-    openssl(
-        "req", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}",
-        cwd=folder,
-    )  # fmt: skip
-    (folder / f"{name}.ext").write_text(f"subjectAltName={san}\n")
-    openssl(
-        "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-        "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", f"{name}.ext",
-        cwd=folder,
-    )  # fmt: skip
+def make_certs(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(MAKE_CERTS), str(folder), *args], capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("pki")
-    make_ca(folder, "ca")
-    make_ca(folder, "rogue-ca")
-    make_cert(folder, "server", "ca", "IP:127.0.0.1,DNS:localhost")
-    make_cert(folder, "learner", "ca", "DNS:learner")
-    make_cert(folder, "intruder", "rogue-ca", "DNS:intruder")
+    """The certificates deploy/make_certs.sh makes, plus an intruder's from another CA."""
+    folder, rogue = tmp_path_factory.mktemp("pki"), tmp_path_factory.mktemp("rogue")
+    assert make_certs(folder, "IP:127.0.0.1,DNS:localhost", "learner").returncode == 0
+    assert make_certs(rogue, "DNS:localhost", "intruder").returncode == 0
+    (folder / "rogue-ca.crt").write_bytes((rogue / "ca.crt").read_bytes())
+    for suffix in (".crt", ".key"):
+        (folder / f"intruder{suffix}").write_bytes((rogue / f"intruder{suffix}").read_bytes())
     return folder
+
+
+def test_make_certs_keeps_the_ca_and_server_and_adds_learners(pki: Path) -> None:
+    before = {name: (pki / name).read_bytes() for name in ("ca.key", "server.crt")}
+    added = make_certs(pki, "DNS:elsewhere", "late-learner")
+    assert added.returncode == 0, added.stderr
+    assert {name: (pki / name).read_bytes() for name in before} == before
+    assert "kept server.crt" in added.stdout and (pki / "late-learner.crt").exists()
+    assert oct((pki / "late-learner.key").stat().st_mode & 0o777) == "0o600"
+    for args in [["localhost"], ["DNS:x", "../evil"], []]:
+        refused = make_certs(pki, *args)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
 
 
 def connects(port: int, credentials: grpc.ChannelCredentials | None) -> bool:
@@ -128,4 +123,4 @@ def test_plaintext_is_never_the_silent_default(pki: Path) -> None:
     with pytest.raises(ValueError, match="cannot read tls_key file"):
         config.network.credentials()
     with pytest.raises(ValueError, match="is not PEM"):
-        channel_credentials(str(pki / "server.ext"))
+        channel_credentials(str(pki / "ca.srl"))
