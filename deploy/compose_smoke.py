@@ -143,9 +143,11 @@ def compose_command(which=shutil.which, run=subprocess.run) -> list[str] | None:
     Docker CLI's compose plugin (`docker compose`), else None."""
     if which("docker-compose"):
         return ["docker-compose"]
-    if run(["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    return None
+    try:
+        plugin = run(["docker", "compose", "version"], capture_output=True).returncode == 0
+    except FileNotFoundError:  # no docker at all
+        return None
+    return ["docker", "compose"] if plugin else None
 
 
 def host_network_config(compose: list[str], env: dict) -> str:
@@ -154,8 +156,9 @@ def host_network_config(compose: list[str], env: dict) -> str:
     Compose v1 cannot remove a key in an override, and published ports are refused with host
     networking, so they are dropped here (every port is then on 127.0.0.1 already).
     """
+    # -p: Compose v2 writes each volume's full name, project included, into the merged file.
     merged = sh(
-        *compose, "-f", "deploy/docker-compose.yml",
+        *compose, "-p", PROJECT, "-f", "deploy/docker-compose.yml",
         "-f", "deploy/docker-compose.host.yml", "config", env=env, quiet=True,
     )  # fmt: skip
     config = yaml.safe_load(merged)  # paths in it are absolute

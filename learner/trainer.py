@@ -53,14 +53,15 @@ __all__ = ["Learner", "Progress", "initial_model"]
 log = logging.getLogger("diloco.learner")
 
 
-def initial_model(config: LearnerConfig) -> GPT:
+def initial_model(config: LearnerConfig, is_leader: bool = True) -> GPT:
     """The model a learner starts from: freshly initialised from the seed, or --init-params'
     file. When checkpoint_dir holds a checkpoint, the file is not read at all: the checkpoint
     replaces the parameters anyway, and a restart must not depend on a file that only the
-    first start needed."""
+    first start needed. Only an island's rank 0 reads it: the other ranks take rank 0's
+    parameters when the run starts, and may not see its files."""
     model = GPT(config.model)
     ckpt = config.checkpoint
-    if not ckpt.init_params:
+    if not ckpt.init_params or not is_leader:
         return model
     if ckpt.checkpoint_dir and checkpoint_exists(Path(ckpt.checkpoint_dir)):
         log.info(
@@ -97,7 +98,7 @@ class Learner:
         torch.manual_seed(training.seed)
         self.device = island.start(resolve_device(training.device))
         # Initialised on the CPU, then moved: the same seed gives the same model anywhere.
-        self.model = initial_model(config).to(self.device)
+        self.model = initial_model(config, island.is_leader).to(self.device)
         self.train_model = island.wrap(self.model)  # DDP across the island's ranks
         self.eval_model = copy.deepcopy(self.model)  # holds the global parameters for eval
         self.params = [p for _, p in self.model.named_parameters()]

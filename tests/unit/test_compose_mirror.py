@@ -62,3 +62,8 @@ def test_compose_is_the_standalone_command_or_else_the_docker_plugin() -> None:
     assert compose_command(which({"docker-compose"}), plugin(0)) == ["docker-compose"]
     assert compose_command(which(set()), plugin(0)) == ["docker", "compose"]
     assert compose_command(which(set()), plugin(1)) is None
+
+    def no_docker(argv, **_):
+        raise FileNotFoundError(argv[0])
+
+    assert compose_command(which(set()), no_docker) is None

@@ -135,3 +135,11 @@ def test_a_checkpoint_means_the_file_is_not_read(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "ckpt", {"format": 1})
     model = initial_model(learner_config(str(tmp_path / "gone.safetensors"), tmp_path / "ckpt"))
     assert isinstance(model, GPT)
+
+
+def test_only_an_islands_rank_0_reads_the_file(tmp_path: Path) -> None:
+    """The other ranks take rank 0's parameters at the start; the file may be on its host only."""
+    config = learner_config(str(tmp_path / "on-rank-0s-host.safetensors"), tmp_path / "ckpt")
+    assert isinstance(initial_model(config, is_leader=False), GPT)
+    with pytest.raises(ValueError, match="cannot read it"):
+        initial_model(config, is_leader=True)
