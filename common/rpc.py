@@ -97,6 +97,21 @@ def create_server(
     return server, port
 
 
+def create_health_server(listen: str) -> tuple[grpc.Server, int]:
+    """An unstarted plaintext gRPC server on `listen` with the health service alone, for
+    probes that cannot speak TLS (Kubernetes' grpc probe). It answers as the main server's
+    health service does (SERVING while the process serves) and offers nothing else."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="health-rpc"),
+        options=[*_SERVER_OPTIONS, ("grpc.max_concurrent_streams", 8)],
+    )
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind the health server to {listen}")
+    _add_health(server)
+    return server, port
+
+
 def _add_health(server: grpc.Server) -> None:
     """grpc's health service, with Check run on HEALTH_THREADS threads of its own."""
     servicer = health.HealthServicer()

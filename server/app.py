@@ -1,5 +1,6 @@
-"""The running aggregator service: gRPC server, servicer, health, reflection (when on) and
-the reaper that expires leases and cuts overdue streams.
+"""The running aggregator service: gRPC server, servicer, health (also on a plaintext port of
+its own when health_listen is set), reflection (when on) and the reaper that expires leases
+and cuts overdue streams.
 
     config = build_config(ServerConfig, {"listen": "127.0.0.1:0", "insecure": True})
     service = AggregatorService(config)
@@ -20,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.metrics_http import write_port_file
-from common.rpc import SERVICE_NAME, create_server
+from common.rpc import SERVICE_NAME, create_health_server, create_server
 from server.aggregator import Aggregator
 from server.auth import TokenAuth
 from server.config import ServerConfig
@@ -91,11 +92,19 @@ class AggregatorService:
                 (pb.DESCRIPTOR.services_by_name["Aggregator"].full_name, reflection.SERVICE_NAME),
                 self._server,
             )
+        # Plaintext health for probes that cannot speak TLS: a server of its own, so that
+        # nothing else is ever served without the main port's TLS.
+        self._health_server, self.health_port = (
+            create_health_server(network.health_listen) if network.health_listen else (None, 0)
+        )
         self._stopping = threading.Event()
         self._reaper = threading.Thread(target=self._expire_leases, name="reaper", daemon=True)
 
     def start(self) -> None:
         self._server.start()
+        if self._health_server is not None:
+            self._health_server.start()
+            log.info("serving grpc.health.v1 alone, in plaintext, on port %d", self.health_port)
         self._reaper.start()
         log.info(
             "serving %s on port %d mode=%s epoch=%d",
@@ -109,6 +118,8 @@ class AggregatorService:
 
     def stop(self, grace_s: float = 2.0) -> None:
         self._stopping.set()
+        if self._health_server is not None:
+            self._health_server.stop(grace=0)  # first: probes see it going at once
         self._server.stop(grace=grace_s).wait()
         self.aggregator.checkpoint()
         for fid, counts in self.servicer.traffic.by_fragment().items():

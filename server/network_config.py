@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.metrics_http import check_listen
 from common.tls import server_credentials
 
 
@@ -30,6 +31,10 @@ class NetworkConfig:
     """Serve in plaintext, without TLS: only on a trusted network (logs a warning)."""
     auth_token_file: str = ""
     """Per-learner tokens (`diloco-token add FILE ID`); SIGHUP reloads. Empty: off."""
+    health_listen: str = ""
+    """host:port to serve grpc.health.v1 on as well, in plaintext and nothing else, for
+    probes that cannot speak TLS (Kubernetes' grpc probe); empty: off. It reveals only that
+    the server is up."""
     reflection: bool = False
     """Serve gRPC server reflection (for grpcurl); behind the tokens when auth_token_file is
     set. Off by default: a service a deployment does not use is one less to attack."""
@@ -37,6 +42,9 @@ class NetworkConfig:
     def __post_init__(self) -> None:
         if ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
+        check_listen("health_listen", self.health_listen)
+        if self.health_listen == self.listen and not self.listen.endswith(":0"):
+            raise ValueError("health_listen must differ from listen (it is a port of its own)")
         tls = bool(self.tls_cert or self.tls_key or self.tls_client_ca)
         if self.insecure and tls:
             raise ValueError("insecure and tls_* settings exclude each other: choose one")

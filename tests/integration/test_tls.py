@@ -12,9 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import build_config
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.generated.diloco.v1.aggregator_pb2_grpc import AggregatorStub
+from common.rpc import SERVICE_NAME
 from common.tls import channel_credentials
 from learner.client import AggregatorClient
 from server.config import ServerConfig
@@ -42,16 +45,42 @@ def pki(tmp_path_factory) -> Path:
     return folder
 
 
-def test_make_certs_keeps_the_ca_and_server_and_adds_learners(pki: Path) -> None:
-    before = {name: (pki / name).read_bytes() for name in ("ca.key", "server.crt")}
-    added = make_certs(pki, "DNS:elsewhere", "late-learner")
+def test_make_certs_keeps_what_is_there_and_adds_learners(pki: Path) -> None:
+    before = {p.name: p.read_bytes() for p in pki.iterdir()}
+    added = make_certs(pki, "IP:127.0.0.1,DNS:localhost", "late-learner", "learner")
     assert added.returncode == 0, added.stderr
     assert {name: (pki / name).read_bytes() for name in before} == before
-    assert "kept server.crt" in added.stdout and (pki / "late-learner.crt").exists()
+    assert "kept server.crt" in added.stdout and "kept learner.crt" in added.stdout
     assert oct((pki / "late-learner.key").stat().st_mode & 0o777) == "0o600"
-    for args in [["localhost"], ["DNS:x", "../evil"], []]:
-        refused = make_certs(pki, *args)
-        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert oct((pki / "late-learner.crt").stat().st_mode & 0o777) == "0o644"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["localhost"], "SERVER_SAN must be DNS:name or IP:address"),
+        (["IP:127.0.0.1,DNS:localhost", "../evil"], "bad learner id '../evil'"),
+        ([], "usage: make_certs.sh DIR SERVER_SAN"),
+        (["DNS:elsewhere", "new-learner"], "server.crt was made for SERVER_SAN 'IP:127.0.0.1,"),
+    ],
+)
+def test_make_certs_refuses_bad_input_in_one_line(pki: Path, args: list, message: str) -> None:
+    before = {p.name: p.read_bytes() for p in pki.iterdir()}
+    refused = make_certs(pki, *args)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert message in refused.stderr
+    assert {p.name: p.read_bytes() for p in pki.iterdir()} == before
+
+
+def test_make_certs_changes_nothing_when_openssl_fails(tmp_path: Path) -> None:
+    refused = make_certs(tmp_path, "IP:not-an-address", "learner")  # openssl refuses the SAN
+    assert refused.returncode == 2 and "openssl could not make server.crt" in refused.stderr
+    assert list(tmp_path.iterdir()) == []  # not even the CA it made first
+    ca = tmp_path / "ca"
+    assert make_certs(ca, "DNS:localhost").returncode == 0
+    (ca / "ca.key").unlink()  # kept off the machine, as advised: no silent new CA
+    refused = make_certs(ca, "DNS:localhost", "learner")
+    assert refused.returncode == 2 and "only one of ca.key and ca.crt" in refused.stderr
 
 
 def connects(port: int, credentials: grpc.ChannelCredentials | None) -> bool:
@@ -83,6 +112,31 @@ def test_mutual_tls_requires_a_certificate_from_the_ca(start_service, pki: Path)
     assert connects(service.port, channel_credentials(ca, *pem_pair(pki, "learner")))
     assert not connects(service.port, channel_credentials(ca))  # no client certificate
     assert not connects(service.port, channel_credentials(ca, *pem_pair(pki, "intruder")))
+
+
+def test_the_health_port_answers_in_plaintext_and_serves_nothing_else(
+    start_service, pki: Path
+) -> None:
+    """For the kubelet's grpc probe, which speaks no TLS; the service itself stays behind TLS."""
+    service = start_service(
+        tls_cert=str(pki / "server.crt"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.crt"),
+        health_listen="127.0.0.1:0",
+    )
+    assert service.health_port not in (0, service.port)
+    channel = grpc.insecure_channel(f"127.0.0.1:{service.health_port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        for name in ("", SERVICE_NAME):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            AggregatorStub(channel).Join(pb.JoinRequest(learner_id="probe"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        channel.close()
+    assert not connects(service.port, None)  # the service's own port stays TLS-only
 
 
 def pem_pair(pki: Path, name: str) -> tuple[str, str]:
@@ -122,5 +176,9 @@ def test_plaintext_is_never_the_silent_default(pki: Path) -> None:
     config = server_config(listen="127.0.0.1:0", tls_cert="/nope.crt", tls_key="/nope.key")
     with pytest.raises(ValueError, match="cannot read tls_key file"):
         config.network.credentials()
+    with pytest.raises(ValueError, match="health_listen must differ from listen"):
+        server_config(listen="127.0.0.1:7000", insecure=True, health_listen="127.0.0.1:7000")
+    with pytest.raises(ValueError, match="health_listen must be host:port"):
+        server_config(listen="127.0.0.1:0", insecure=True, health_listen="7000")
     with pytest.raises(ValueError, match="is not PEM"):
-        channel_credentials(str(pki / "ca.srl"))
+        channel_credentials(str(pki / "server.san"))

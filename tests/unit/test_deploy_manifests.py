@@ -75,14 +75,20 @@ def test_k8s_server_agrees_with_the_code() -> None:
     assert container["command"][0] in SCRIPTS
     config = config_of(container["command"][0], pod_env(container))
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": port_of(config.listen), "metrics": port_of(config.metrics_listen)}
+    assert ports == {
+        "grpc": port_of(config.listen),
+        "metrics": port_of(config.metrics_listen),
+        "health": port_of(config.health_listen),
+    }
     assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == ports["metrics"]
-    assert container["readinessProbe"]["grpc"]["port"] == ports["grpc"]
+    # The kubelet's grpc probe speaks no TLS: with TLS on, it must ask the plaintext health port.
+    assert config.tls_cert and not config.insecure
+    assert container["readinessProbe"]["grpc"]["port"] == ports["health"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["state"] == config.state_dir
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "state"
     service = objects[("Service", "diloco-server")]
-    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports)
+    assert {p["targetPort"] for p in service["spec"]["ports"]} == set(ports) - {"health"}
     assert service["spec"]["selector"] == pod["metadata"]["labels"]
 
 
