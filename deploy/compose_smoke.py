@@ -102,7 +102,7 @@ def ensure_base_image(base: str) -> None:
     mirror = main_archive_mirror([source.read_text() for source in sources])
     rootfs = Path("/tmp/diloco-rootfs")
     shutil.rmtree(rootfs, ignore_errors=True)
-    packages = "python3,python3-venv,python3-pip,ca-certificates,prometheus"
+    packages = "python3,python3-venv,python3-pip,ca-certificates,prometheus,gcc,libc6-dev"
     sh("debootstrap", "--variant=minbase", f"--include={packages}", "bookworm", str(rootfs), mirror)
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     subprocess.run(["docker", "import", "-", base], stdin=tar.stdout, check=True)

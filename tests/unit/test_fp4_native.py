@@ -105,6 +105,17 @@ def test_native_without_a_compiler_is_an_error(use, monkeypatch, tmp_path) -> No
         fp4_native.load()
 
 
+def test_a_kernel_built_beforehand_needs_no_compiler(use, monkeypatch, tmp_path) -> None:
+    """An image builds the kernel into DILOCO_CACHE_DIR and ships without a compiler."""
+    use("native")
+    monkeypatch.setenv("DILOCO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(fp4_native, "_loaded", {})
+    assert fp4_native.load() is not None  # built here, with the compiler
+    monkeypatch.setattr(fp4_native, "_loaded", {})
+    monkeypatch.setattr(fp4_native.shutil, "which", lambda name: None)  # the compiler is gone
+    assert fp4_native.load() is not None
+
+
 def test_short_buffers_are_refused_not_read_past(use) -> None:
     use("native")
     with pytest.raises(ValueError, match="packed and 2 scale"):
