@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -130,6 +131,31 @@ def test_k8s_shards_are_a_statefulset_with_a_volume_and_dns_name_each() -> None:
     assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
 
 
+def image_user() -> int:
+    """The numeric user deploy/Dockerfile's image runs as."""
+    users = [line.split()[1] for line in (DEPLOY / "Dockerfile").read_text().splitlines()
+             if line.startswith("USER ")]  # fmt: skip
+    assert len(users) == 1, users
+    return int(users[0].split(":")[0])
+
+
+@pytest.mark.parametrize("kind, name", [("StatefulSet", "diloco-server"),
+                                        ("Deployment", "diloco-learner")])  # fmt: skip
+def test_k8s_pods_run_as_the_images_user_and_write_only_to_volumes(kind: str, name: str) -> None:
+    pod = k8s_objects()[(kind, name)]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["fsGroup"] == image_user()
+    (container,) = pod["containers"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    config = config_of(container["command"][0], pod_env(container))
+    mounts = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
+    written = config.state_dir if kind == "StatefulSet" else config.checkpoint_dir
+    assert written in mounts and "/tmp" in mounts
+    if kind == "Deployment":  # torch's threads follow the pod's CPU, not the node's cores
+        assert config.torch_threads == int(container["resources"]["requests"]["cpu"])
+        assert config.connect_timeout_s >= 300  # shards may be minutes from ready
+
+
 @pytest.mark.parametrize("version", ["1.28", "1.33"])
 def test_k8s_manifests_pass_the_api_schema_strictly(version: str) -> None:
     for kind, name in k8s_objects():
@@ -143,8 +169,21 @@ def test_prometheus_in_the_cluster_scrapes_every_annotated_pod_with_its_shard() 
     assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
     relabel = {r.get("target_label", r.get("action")): r for r in job["relabel_configs"]}
     assert relabel["keep"]["source_labels"] == [
-        "__meta_kubernetes_pod_annotation_prometheus_io_scrape"
+        "__meta_kubernetes_pod_annotation_prometheus_io_scrape",
+        "__meta_kubernetes_pod_label_app",
     ]
+    keep = re.compile(relabel["keep"]["regex"])  # Prometheus anchors its regexes
+    for app in ("diloco-server", "diloco-learner"):
+        assert keep.fullmatch(f"true;{app}") and not keep.fullmatch(f"false;{app}")
+    assert not keep.fullmatch("true;someone-else")
+    addresses = [r for r in job["relabel_configs"] if r.get("target_label") == "__address__"]
+    for ip, expected in [("10.1.2.3", "10.1.2.3:9100"), ("fd00::1", "[fd00::1]:9100")]:
+        made = [
+            re.fullmatch(r["regex"], f"{ip};9100").expand(r["replacement"].replace("$", "\\"))
+            for r in addresses
+            if re.fullmatch(r["regex"], f"{ip};9100")
+        ]
+        assert made == [expected]
     assert relabel["shard"]["source_labels"] == [
         "__meta_kubernetes_pod_label_apps_kubernetes_io_pod_index"
     ]
