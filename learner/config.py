@@ -183,7 +183,8 @@ class TrainingConfig:
     """Where the model trains: `auto` (CUDA if available, else CPU), `cpu`, `cuda` or `cuda:N`.
     Replicas of the global fragments stay on the CPU either way."""
     torch_threads: int = 0
-    """Threads for torch (0: the CPU count divided by --learners-per-host)."""
+    """Threads for torch (0: the CPUs this process may use, a container's CPU limit
+    included, divided by --learners-per-host)."""
     learners_per_host: int = 1
     """How many learners share this host, to size the default thread count."""
     max_outer_steps: int = 0

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import threading
 import time
 import zlib
@@ -28,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from common.config import flat_values
+from common.cpus import usable_cpus
 from common.retry import Stopped
 from common.wire import params_crc32
 from learner.api import DilocoSync, fingerprint
@@ -92,7 +92,7 @@ class Learner:
         self.island = island = island or Island()
         model_cfg, data, training = config.model, config.data, config.training
         threads = training.torch_threads or max(
-            1, (os.cpu_count() or 1) // (training.learners_per_host * island.local_size)
+            1, usable_cpus() // (training.learners_per_host * island.local_size)
         )
         torch.set_num_threads(threads)
         torch.manual_seed(training.seed)

@@ -10,11 +10,11 @@ import collections
 import functools
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable, Iterator
 
 from common.codec import decode_values
+from common.cpus import usable_cpus
 from common.errors import DilocoError, InvalidArgument, PermissionDenied, ResourceExhausted
 from common.fragment_wire import parse_fragment_view
 from common.generated.diloco.v1 import aggregator_pb2 as pb
@@ -105,8 +105,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # "accepted" or the rejection's status code name (a bounded set): for metrics.
         self.push_results: collections.Counter[str] = collections.Counter()
         self.pushes = PushLog()  # each learner's last accepted push (Status)
-        # Two per core: one push can be received while another is decoded.
-        self._ingest = IngestSlots(ingest_slots or 2 * (os.cpu_count() or 1))
+        # Two per usable core: one push can be received while another is decoded.
+        self._ingest = IngestSlots(ingest_slots or 2 * usable_cpus())
         # Push payloads are received into buffers reserved from this (server/receive.py).
         self.push_budget = push_budget or PushBudget(None, 0.0)
         self._push_results_lock = threading.Lock()
