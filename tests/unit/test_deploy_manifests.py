@@ -298,3 +298,12 @@ def test_k8s_tls_files_come_from_the_secret(kind: str, name: str, secret: str) -
     for path in paths:
         folder, _, key = path.rpartition("/")
         assert folder == mount["mountPath"] and key in keys
+
+
+def test_k8s_images_are_tagged_with_the_projects_version() -> None:
+    """IfNotPresent never pulls a tag again: the tag must change with each release."""
+    version = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())["project"]["version"]
+    for kind, name in [("StatefulSet", "diloco-server"), ("Deployment", "diloco-learner")]:
+        (container,) = k8s_objects()[(kind, name)]["spec"]["template"]["spec"]["containers"]
+        assert container["image"] == f"decoupled-diloco:{version}"
+        assert container["imagePullPolicy"] == "IfNotPresent"
