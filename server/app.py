@@ -24,6 +24,7 @@ from common.metrics_http import write_port_file
 from common.rpc import SERVICE_NAME, create_health_server, create_server
 from server.aggregator import Aggregator
 from server.auth import TokenAuth
+from server.cert_identity import CertificateIdentity
 from server.config import ServerConfig
 from server.deadlines import StreamDeadlines
 from server.inflight import InFlightLimit
@@ -69,7 +70,8 @@ class AggregatorService:
         # Authentication first: the limits then key on verified learner ids. Deadlines last:
         # they watch the handler's own waits on its peer.
         # ChunkViews first: it gives PushFragment a request deserializer whatever the others do.
-        chain = (ChunkViews(), self.auth, self.rate_limit, self.in_flight, self.deadlines)
+        identity = CertificateIdentity() if network.tls_client_id_from_cert else None
+        chain = (ChunkViews(), self.auth, identity, self.rate_limit, self.in_flight, self.deadlines)
         self._server, self.port = create_server(
             network.listen,
             network.credentials(),

@@ -45,6 +45,18 @@ def authenticated_learner() -> str | None:
     return _authenticated.get()
 
 
+def authenticate(learner_id: str) -> Callable[[], None]:
+    """Mark the current call as proven to come from `learner_id` (a token, a certificate);
+    returns what undoes it when the call ends."""
+    token = _authenticated.set(learner_id)
+
+    def undo() -> None:
+        with contextlib.suppress(ValueError):  # a stream closed from another context
+            _authenticated.reset(token)
+
+    return undo
+
+
 def hash_token(token: str, salt: str | None = None) -> str:
     salt = salt or secrets.token_hex(16)
     digest = hashlib.sha256(f"{salt}:{token}".encode()).hexdigest()
@@ -126,12 +138,11 @@ class TokenAuth(grpc.ServerInterceptor):
         if current != stored:  # revoked between the check and now: reload() missed it
             release()
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid learner token")
-        token = _authenticated.set(learner_id)
+        undo = authenticate(learner_id)
 
         def leave() -> None:
             release()
-            with contextlib.suppress(ValueError):  # a stream closed from another context
-                _authenticated.reset(token)
+            undo()
 
         return leave
 

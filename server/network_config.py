@@ -27,6 +27,10 @@ class NetworkConfig:
     """PEM private key of tls_cert."""
     tls_client_ca: str = ""
     """PEM CA that must have signed every learner's client certificate (mutual TLS)."""
+    tls_client_id_from_cert: bool = False
+    """With tls_client_ca: a learner may act only as the learner id its client certificate's
+    Common Name gives (deploy/make_certs.sh writes it), so one certificate is one learner's
+    share of influence (server/cert_identity.py)."""
     insecure: bool = False
     """Serve in plaintext, without TLS: only on a trusted network (logs a warning)."""
     auth_token_file: str = ""
@@ -48,6 +52,11 @@ class NetworkConfig:
         tls = bool(self.tls_cert or self.tls_key or self.tls_client_ca)
         if self.insecure and tls:
             raise ValueError("insecure and tls_* settings exclude each other: choose one")
+        if self.tls_client_id_from_cert and not self.tls_client_ca:
+            raise ValueError(
+                "tls_client_id_from_cert needs tls_client_ca: without client certificates "
+                "there is no name to bind learner ids to"
+            )
 
     def check_tls_chosen(self) -> None:
         """TLS or an explicit insecure: checked by ServerConfig after the training settings,

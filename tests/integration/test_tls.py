@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.config import build_config
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1.aggregator_pb2_grpc import AggregatorStub
-from common.rpc import SERVICE_NAME
+from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME
 from common.tls import channel_credentials
 from learner.client import AggregatorClient
 from server.config import ServerConfig
@@ -139,22 +139,59 @@ def test_the_health_port_answers_in_plaintext_and_serves_nothing_else(
     assert not connects(service.port, None)  # the service's own port stays TLS-only
 
 
-def pem_pair(pki: Path, name: str) -> tuple[str, str]:
-    return str(pki / f"{name}.crt"), str(pki / f"{name}.key")
+def joins_as(port: int, credentials, header_id: str, learner_id: str) -> grpc.StatusCode:
+    """The status of a Join as `learner_id` whose calls claim `header_id`."""
+    client = AggregatorClient(f"127.0.0.1:{port}", credentials, ((LEARNER_ID_HEADER, header_id),))
+    try:
+        client.wait_ready(5)
+        client.join(learner_id, SPECS)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as err:
+        return err.code()
+    finally:
+        client.close()
 
 
-def test_a_learner_process_trains_over_mutual_tls(start_service, pki: Path) -> None:
+def test_a_certificate_binds_its_holder_to_one_learner_id(start_service, pki: Path) -> None:
+    """tls_client_id_from_cert: the holder of the certificate for "learner" may not join as
+    another learner, so it cannot multiply its share of a merge."""
     service = start_service(
         tls_cert=str(pki / "server.crt"),
         tls_key=str(pki / "server.key"),
         tls_client_ca=str(pki / "ca.crt"),
+        tls_client_id_from_cert=True,
+    )
+    learner = channel_credentials(str(pki / "ca.crt"), *pem_pair(pki, "learner"))
+    assert joins_as(service.port, learner, "learner", "learner") == grpc.StatusCode.OK
+    assert joins_as(service.port, learner, "sybil", "sybil") == grpc.StatusCode.UNAUTHENTICATED
+    # The header is the certificate's, the join is for another: refused by the servicer.
+    assert joins_as(service.port, learner, "learner", "sybil") == (
+        grpc.StatusCode.PERMISSION_DENIED
+    )
+    assert service.aggregator.live_learners() == ["learner"]
+
+
+def pem_pair(pki: Path, name: str) -> tuple[str, str]:
+    return str(pki / f"{name}.crt"), str(pki / f"{name}.key")
+
+
+def test_a_learner_process_trains_over_mutual_tls_bound_to_its_certificate(
+    start_service, pki: Path
+) -> None:
+    """The learner's id is its certificate's name (deploy/make_certs.sh), so the server may
+    bind the two (tls_client_id_from_cert) and the learner trains as usual."""
+    service = start_service(
+        tls_cert=str(pki / "server.crt"),
+        tls_key=str(pki / "server.key"),
+        tls_client_ca=str(pki / "ca.crt"),
+        tls_client_id_from_cert=True,
     )
     flags = [f for f in TINY_LEARNER_FLAGS if f != "--insecure"]
     cert, key = pem_pair(pki, "learner")
     result = subprocess.run(
         [
             sys.executable, "-m", "learner.main", "--server", f"127.0.0.1:{service.port}",
-            "--learner-id", "tls-learner", *flags, "--max-outer-steps", "2",
+            "--learner-id", "learner", *flags, "--max-outer-steps", "2",
             "--tls-ca", str(pki / "ca.crt"), "--tls-cert", cert, "--tls-key", key,
         ],
         cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -176,6 +213,13 @@ def test_plaintext_is_never_the_silent_default(pki: Path) -> None:
     config = server_config(listen="127.0.0.1:0", tls_cert="/nope.crt", tls_key="/nope.key")
     with pytest.raises(ValueError, match="cannot read tls_key file"):
         config.network.credentials()
+    with pytest.raises(ValueError, match="tls_client_id_from_cert needs tls_client_ca"):
+        server_config(
+            listen="127.0.0.1:0",
+            tls_cert=str(pki / "server.crt"),
+            tls_key=str(pki / "server.key"),
+            tls_client_id_from_cert=True,
+        )
     with pytest.raises(ValueError, match="health_listen must differ from listen"):
         server_config(listen="127.0.0.1:7000", insecure=True, health_listen="127.0.0.1:7000")
     with pytest.raises(ValueError, match="health_listen must be host:port"):
