@@ -34,7 +34,12 @@ _SERVER_OPTIONS = [
     *_COMMON_OPTIONS,
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # gRPC binds with SO_REUSEPORT by default: a second server on a port in use would start
+    # and silently take half its connections. A port in use must be an error instead.
+    ("grpc.so_reuseport", 0),
 ]
+# The plaintext health-only server: requests are a service name, so a few KiB is plenty.
+_HEALTH_MESSAGE_BYTES = 4096
 # A channel that failed to connect tries again after gRPC's backoff, by default up to 120 s:
 # a learner could sit that long idle after its server is back. Trying every 2 s at most is
 # cheap (one TCP connect) and bounds the rejoin after a server restart.
@@ -88,26 +93,41 @@ def create_server(
         interceptors=interceptors,
     )
     if credentials is None:
-        port = server.add_insecure_port(listen)
+        port = _bind(lambda: server.add_insecure_port(listen), "the gRPC server", listen)
     else:
-        port = server.add_secure_port(listen, credentials)
-    if port == 0:
-        raise OSError(f"could not bind the gRPC server to {listen}")
+        port = _bind(lambda: server.add_secure_port(listen, credentials), "the gRPC server", listen)
     _add_health(server)
     return server, port
+
+
+def _bind(add_port, what: str, listen: str) -> int:
+    """add_port()'s port; OSError in one sentence if it cannot bind (grpc raises RuntimeError
+    or returns 0, by version)."""
+    try:
+        port = add_port()
+    except RuntimeError as err:
+        raise OSError(
+            f"could not bind {what} to {listen} (in use, or not an address here)"
+        ) from err
+    if port == 0:
+        raise OSError(f"could not bind {what} to {listen} (in use, or not an address here)")
+    return port
 
 
 def create_health_server(listen: str) -> tuple[grpc.Server, int]:
     """An unstarted plaintext gRPC server on `listen` with the health service alone, for
     probes that cannot speak TLS (Kubernetes' grpc probe). It answers as the main server's
     health service does (SERVING while the process serves) and offers nothing else."""
+    options = [
+        *(o for o in _SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+        ("grpc.max_receive_message_length", _HEALTH_MESSAGE_BYTES),
+        ("grpc.max_concurrent_streams", 8),
+    ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="health-rpc"),
-        options=[*_SERVER_OPTIONS, ("grpc.max_concurrent_streams", 8)],
+        options=options,
     )
-    port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"could not bind the health server to {listen}")
+    port = _bind(lambda: server.add_insecure_port(listen), "the health server", listen)
     _add_health(server)
     return server, port
 

@@ -2,7 +2,7 @@
 # Certificates for mutual TLS between learners and the aggregator, with the openssl tool:
 #
 #   deploy/make_certs.sh DIR SERVER_SAN [LEARNER_ID ...]
-#   deploy/make_certs.sh certs 'DNS:*.diloco-server,DNS:localhost,IP:127.0.0.1' dc1-node0 dc2-node0
+#   deploy/make_certs.sh certs DNS:diloco-server-0.diloco-server,DNS:localhost dc1-node0 dc2-node0
 #
 # Writes into DIR: ca.crt/ca.key (the CA), server.crt/server.key (one pair for every shard:
 # SERVER_SAN must name each address the learners dial) and LEARNER_ID.crt/.key per learner.
@@ -25,9 +25,12 @@ shift 2
     fail "SERVER_SAN must be DNS:name or IP:address, comma separated, got '$server_san'"
 days=${DAYS:-365}
 [[ $days =~ ^[1-9][0-9]{0,4}$ ]] || fail "DAYS must be a whole number of days, got '$days'"
+seen=" "
 for learner in "$@"; do # each names two files in DIR
-    [[ $learner =~ ^[A-Za-z0-9_][A-Za-z0-9._-]*$ && $learner != server && $learner != ca ]] ||
-        fail "bad learner id '$learner' (letters, digits, . _ -; not ca or server)"
+    [[ $learner =~ ^[A-Za-z0-9_][A-Za-z0-9._-]{0,63}$ && $learner != server && $learner != ca ]] ||
+        fail "bad learner id '$learner' (1-64 of letters, digits, . _ -; not ca or server)"
+    [[ $seen != *" $learner "* ]] || fail "learner id '$learner' is given twice"
+    seen+="$learner "
 done
 command -v openssl >/dev/null || fail "the openssl command is needed"
 
@@ -113,7 +116,7 @@ done
 
 for name in "${made[@]}"; do
     chmod 644 "$work/$name.crt"
+    if [ "$name" = server ]; then mv "$work/server.san" server.san; fi
     mv "$work/$name.key" "$name.key"
     mv "$work/$name.crt" "$name.crt"
 done
-if [ -e "$work/server.san" ]; then mv "$work/server.san" server.san; fi

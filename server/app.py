@@ -103,6 +103,17 @@ class AggregatorService:
         self._reaper = threading.Thread(target=self._expire_leases, name="reaper", daemon=True)
 
     def start(self) -> None:
+        """Serve; if any part cannot start, whatever did is stopped and the error raised."""
+        try:
+            self._start()
+        except BaseException:
+            self._stopping.set()  # the reaper, if it started
+            self._server.stop(grace=0)
+            if self._health_server is not None:
+                self._health_server.stop(grace=0)
+            raise
+
+    def _start(self) -> None:
         self._server.start()
         if self._health_server is not None:
             self._health_server.start()

@@ -48,11 +48,11 @@ def main() -> None:
                 observability.metrics_port_file,
             )
             logging.getLogger("diloco.server").info("metrics on port %d at /metrics", port)
-    except (OSError, ValueError) as err:  # a port in use, an unreadable certificate
+        if service.auth is not None:  # before start(): a SIGHUP must never find the default
+            signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service))
+        service.start()
+    except (OSError, ValueError) as err:  # a port in use, an unreadable certificate or port file
         parser.exit(2, f"{parser.prog}: error: {err}\n")
-    if service.auth is not None:  # before start(): a SIGHUP must never find the default action
-        signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service))
-    service.start()
     try:
         # Wake up now and then: Python runs signal handlers in the main thread, and a signal
         # the kernel hands to another thread (gRPC's, the trimmer) does not interrupt a wait

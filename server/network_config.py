@@ -41,14 +41,16 @@ class NetworkConfig:
     the server is up."""
     reflection: bool = False
     """Serve gRPC server reflection (for grpcurl); behind the tokens when auth_token_file is
-    set. Off by default: a service a deployment does not use is one less to attack."""
+    set, and the certificate binding when tls_client_id_from_cert is. Off by default: a
+    service a deployment does not use is one less to attack."""
 
     def __post_init__(self) -> None:
         if ":" not in self.listen:
             raise ValueError(f"listen must be host:port, got {self.listen!r}")
         check_listen("health_listen", self.health_listen)
-        if self.health_listen == self.listen and not self.listen.endswith(":0"):
-            raise ValueError("health_listen must differ from listen (it is a port of its own)")
+        port = self.listen.rpartition(":")[2]
+        if self.health_listen and self.health_listen.rpartition(":")[2] == port != "0":
+            raise ValueError("health_listen must have a port of its own, not listen's")
         tls = bool(self.tls_cert or self.tls_key or self.tls_client_ca)
         if self.insecure and tls:
             raise ValueError("insecure and tls_* settings exclude each other: choose one")

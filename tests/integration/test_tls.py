@@ -60,6 +60,7 @@ def test_make_certs_keeps_what_is_there_and_adds_learners(pki: Path) -> None:
     [
         (["localhost"], "SERVER_SAN must be DNS:name or IP:address"),
         (["IP:127.0.0.1,DNS:localhost", "../evil"], "bad learner id '../evil'"),
+        (["IP:127.0.0.1,DNS:localhost", "twin", "twin"], "learner id 'twin' is given twice"),
         ([], "usage: make_certs.sh DIR SERVER_SAN"),
         (["DNS:elsewhere", "new-learner"], "server.crt was made for SERVER_SAN 'IP:127.0.0.1,"),
     ],
@@ -220,7 +221,7 @@ def test_plaintext_is_never_the_silent_default(pki: Path) -> None:
             tls_key=str(pki / "server.key"),
             tls_client_id_from_cert=True,
         )
-    with pytest.raises(ValueError, match="health_listen must differ from listen"):
+    with pytest.raises(ValueError, match="health_listen must have a port of its own"):
         server_config(listen="127.0.0.1:7000", insecure=True, health_listen="127.0.0.1:7000")
     with pytest.raises(ValueError, match="health_listen must be host:port"):
         server_config(listen="127.0.0.1:0", insecure=True, health_listen="7000")

@@ -290,7 +290,7 @@ def test_k8s_tls_files_come_from_the_secret(kind: str, name: str, secret: str) -
     (container,) = pod["containers"]
     config = config_of(container["command"][0], pod_env(container))
     assert not config.insecure
-    volume = next(v for v in pod["volumes"] if v["secret"]["secretName"] == secret)
+    volume = next(v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == secret)
     mount = next(m for m in container["volumeMounts"] if m["name"] == volume["name"])
     keys = objects[("Secret", secret)]["stringData"]
     paths = [config.tls_cert, config.tls_key]
