@@ -108,9 +108,10 @@ class AggregatorService:
             self._start()
         except BaseException:
             self._stopping.set()  # the reaper, if it started
-            self._server.stop(grace=0)
+            # wait(): stop() only begins a shutdown; the ports are free once it is done.
+            self._server.stop(grace=0).wait()
             if self._health_server is not None:
-                self._health_server.stop(grace=0)
+                self._health_server.stop(grace=0).wait()
             raise
 
     def _start(self) -> None:
@@ -132,7 +133,7 @@ class AggregatorService:
     def stop(self, grace_s: float = 2.0) -> None:
         self._stopping.set()
         if self._health_server is not None:
-            self._health_server.stop(grace=0)  # first: probes see it going at once
+            self._health_server.stop(grace=0).wait()  # first: probes see it going at once
         self._server.stop(grace=grace_s).wait()
         self.aggregator.checkpoint()
         for fid, counts in self.servicer.traffic.by_fragment().items():
