@@ -92,23 +92,24 @@ def create_server(
         options=options,
         interceptors=interceptors,
     )
-    if credentials is None:
-        port = _bind(lambda: server.add_insecure_port(listen), "the gRPC server", listen)
-    else:
-        port = _bind(lambda: server.add_secure_port(listen, credentials), "the gRPC server", listen)
+    port = _bind(server, listen, credentials, "the gRPC server")
     _add_health(server)
     return server, port
 
 
-def _bind(add_port, what: str, listen: str) -> int:
-    """add_port()'s port; OSError in one sentence if it cannot bind (grpc raises RuntimeError
-    or returns 0, by version)."""
+def _bind(
+    server: grpc.Server, listen: str, credentials: grpc.ServerCredentials | None, what: str
+) -> int:
+    """The port `server` bound on `listen` (TLS with `credentials`, plaintext without); an
+    OSError in one sentence if it cannot bind (grpc raises RuntimeError or returns 0, by
+    version)."""
     try:
-        port = add_port()
-    except RuntimeError as err:
-        raise OSError(
-            f"could not bind {what} to {listen} (in use, or not an address here)"
-        ) from err
+        if credentials is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, credentials)
+    except RuntimeError:
+        port = 0
     if port == 0:
         raise OSError(f"could not bind {what} to {listen} (in use, or not an address here)")
     return port
@@ -127,7 +128,7 @@ def create_health_server(listen: str) -> tuple[grpc.Server, int]:
         futures.ThreadPoolExecutor(max_workers=HEALTH_THREADS, thread_name_prefix="health-rpc"),
         options=options,
     )
-    port = _bind(lambda: server.add_insecure_port(listen), "the health server", listen)
+    port = _bind(server, listen, None, "the health server")
     _add_health(server)
     return server, port
 
