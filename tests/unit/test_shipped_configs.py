@@ -1,0 +1,44 @@
+"""The config files under deploy/config/ that the README's three-terminal example runs."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from learner.main import parse_config as learner_config
+from server.main import parse_config as server_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "config"
+
+
+def test_the_server_file_parses_and_leaves_the_pull_codec_to_the_recipe() -> None:
+    path = str(CONFIGS / "server.toml")
+    best = server_config(["--config", path])
+    assert (best.rounds.mode, best.streaming.fragments) == ("quorum", 2)
+    assert best.streaming.pull_codec == "fp4_e2m1"
+    # The file's comment: `recipe = "paper"` gives the papers' pulls, which a pull_codec
+    # set in the file would override.
+    assert server_config(["--config", path, "--recipe", "paper"]).streaming.pull_codec == (
+        "fp4_e3m0"
+    )
+
+
+def test_the_learner_file_parses_to_the_defaults_it_spells_out() -> None:
+    given = learner_config(["--config", str(CONFIGS / "learner.toml")]).sync
+    default = learner_config(["--insecure"]).sync
+    assert given == default
+
+
+@pytest.mark.parametrize("name", ["server.toml", "learner.toml"])
+def test_every_commented_out_setting_parses_once_uncommented(name: str) -> None:
+    """A `#   key = value` example line must be valid TOML when a user removes the '#'."""
+    examples = [
+        line.lstrip("#").strip()
+        for line in (CONFIGS / name).read_text().splitlines()
+        if re.match(r"#\s+\w+ = ", line)
+    ]
+    for example in examples:
+        tomllib.loads(example)  # raises on two settings on one line, unquoted strings, ...
