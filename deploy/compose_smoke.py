@@ -64,19 +64,49 @@ def sh(*argv: str, env: dict | None = None, quiet: bool = False) -> str:
     return result.stdout or ""
 
 
-def main_archive_mirror(deb822_sources: list[str], suite: str = "bookworm") -> str:
-    """The mirror of Debian's main archive for `suite` among apt's deb822 sources: the first
-    stanza that lists the suite itself (not `-security` or `-updates`, whose archives have no
+def apt_entries(text: str) -> list[tuple[str, list[str]]]:
+    """(URI, suites) of each `deb` source in one apt sources file, deb822 stanzas
+    (`*.sources`) or one-line entries (`sources.list`, `*.list`: `deb [options] URI suite
+    components`)."""
+    entries = []
+    for stanza in text.split("\n\n"):
+        fields = dict(
+            line.split(":", 1) for line in stanza.splitlines() if ":" in line and line[0] != "#"
+        )
+        enabled = fields.get("Enabled", "yes").strip().lower() != "no"
+        if enabled and fields.get("URIs", "").strip():
+            entries.append((fields["URIs"].split()[0], fields.get("Suites", "").split()))
+    for line in text.splitlines():
+        words = line.split("#", 1)[0].split()
+        if words[:1] != ["deb"]:
+            continue
+        words = words[1:]
+        if words and words[0].startswith("["):  # options, possibly spaced: [ arch=amd64 ]
+            while words and not words[0].endswith("]"):
+                words = words[1:]
+            words = words[1:]
+        if len(words) >= 2:
+            entries.append((words[0], [words[1]]))
+    return entries
+
+
+def main_archive_mirror(sources: list[str], suite: str = "bookworm") -> str:
+    """The mirror of Debian's main archive for `suite` among apt's sources files: the first
+    entry that lists the suite itself (not `-security` or `-updates`, whose archives have no
     Release file for the plain suite, so debootstrap cannot use them); Debian's default when
     none does."""
-    for text in deb822_sources:
-        for stanza in text.split("\n\n"):
-            fields = dict(
-                line.split(":", 1) for line in stanza.splitlines() if ":" in line and line[0] != "#"
-            )
-            if suite in fields.get("Suites", "").split() and fields.get("URIs", "").strip():
-                return fields["URIs"].split()[0]
+    for text in sources:
+        for uri, suites in apt_entries(text):
+            if suite in suites:
+                return uri
     return "http://deb.debian.org/debian"
+
+
+def apt_sources_files() -> list[Path]:
+    """apt's sources files in apt's order: sources.list, then sources.list.d/ by name."""
+    listed = Path("/etc/apt/sources.list")
+    extra = sorted(Path("/etc/apt/sources.list.d").glob("*"))
+    return [p for p in [listed, *extra] if p.suffix in (".list", ".sources") and p.is_file()]
 
 
 def images(environ: dict[str, str]) -> tuple[str, str]:
@@ -98,8 +128,8 @@ def ensure_base_image(base: str) -> None:
             "leave BASE_IMAGE unset to build one with debootstrap)"
         )
     log(f"building {base} with debootstrap (about 2 minutes)")
-    sources = sorted(Path("/etc/apt/sources.list.d").glob("*.sources"))
-    mirror = main_archive_mirror([source.read_text() for source in sources])
+    mirror = main_archive_mirror([source.read_text() for source in apt_sources_files()])
+    log(f"debootstrap mirror: {mirror}")
     rootfs = Path("/tmp/diloco-rootfs")
     shutil.rmtree(rootfs, ignore_errors=True)
     packages = "python3,python3-venv,python3-pip,ca-certificates,prometheus,gcc,libc6-dev"

@@ -32,6 +32,23 @@ def test_the_main_archive_wins_over_a_security_archive_listed_after_it() -> None
     assert main_archive_mirror([SECURITY, MAIN]) == "http://mirror.example/debian"
 
 
+def test_one_line_sources_are_read_too_options_and_comments_skipped() -> None:
+    listed = (
+        "# deb http://commented.example/debian bookworm main\n"
+        "deb http://mirror.example/debian-security bookworm-security main\n"
+        "deb-src http://source.example/debian bookworm main\n"
+        "deb [ arch=amd64 signed-by=/usr/share/keyrings/k.gpg ] http://one.example/debian "
+        "bookworm main  # the main archive\n"
+    )
+    assert main_archive_mirror([listed]) == "http://one.example/debian"
+    assert main_archive_mirror([SECURITY, listed, MAIN]) == "http://one.example/debian"
+
+
+def test_a_disabled_stanza_is_skipped() -> None:
+    disabled = MAIN.replace("Components: main", "Components: main\nEnabled: no")
+    assert main_archive_mirror([disabled]) == "http://deb.debian.org/debian"
+
+
 def test_no_stanza_for_the_suite_falls_back_to_debians_default() -> None:
     assert main_archive_mirror([SECURITY]) == "http://deb.debian.org/debian"
     assert main_archive_mirror([]) == "http://deb.debian.org/debian"
