@@ -3,8 +3,9 @@
 
 PYTHON ?= python3
 VENV ?= .venv
-# torch==$(TORCH_VERSION) from pip's configured index (a CPU wheel where the index serves one).
-# TORCH_SPEC replaces the requirement, PIP_EXTRA adds pip options; e.g. for CUDA:
+# torch==$(TORCH_VERSION) from pip's configured index (PyPI's Linux x86_64 wheel carries CUDA).
+# TORCH_SPEC replaces the requirement, PIP_EXTRA adds pip options; e.g. CPU only, or CUDA 12.8:
+#   make run PIP_EXTRA='--index-url https://download.pytorch.org/whl/cpu'
 #   make run TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url https://download.pytorch.org/whl/cu128'
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
@@ -22,8 +23,10 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 install: $(STAMP)
 
+# Checks for pip, not python: a venv whose ensurepip failed (Debian without python3-venv)
+# has a python but no pip, and is completed once the package is installed.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check $(PIP_EXTRA) "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $@
