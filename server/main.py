@@ -1,6 +1,6 @@
 """diloco-server: the aggregator service.
 
-    diloco-server --listen 127.0.0.1:50051 --lease-s 10
+    diloco-server --listen 127.0.0.1:50051 --lease-s 10 --insecure     # or --tls-cert/--tls-key
 
 Parses flags into a ServerConfig, serves until SIGINT/SIGTERM, and always stops cleanly.
 """

@@ -2,7 +2,7 @@
 with Streaming DiLoCo through the library API (learner/api.py) in a plain training loop.
 
     diloco-server --insecure --listen 127.0.0.1:50051 &
-    python -m learner.examples.hf_gpt2 --server 127.0.0.1:50051 --learner-id hf-a --outer-steps 5
+    python -m learner.examples.hf_gpt2 --server 127.0.0.1:50051 --learner-id hf-a --insecure
 
 Byte-level (vocab 256) on the built-in corpus, so no tokenizer is downloaded either. Needs
 the optional extra: pip install 'decoupled-diloco[hf]'.
