@@ -25,7 +25,7 @@ import textwrap
 import tomllib
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -168,9 +168,17 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             )
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad flag ends in one line, like a bad TOML or environment value: the
+    daemons have dozens of flags, and their usage would bury the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def config_parser(prog: str, description: str, cls: type) -> argparse.ArgumentParser:
     """A daemon's command line: every setting of `cls` as a flag, plus --config."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = OneLineErrorParser(prog=prog, description=description)
     add_config_flags(parser, cls)
     return parser
 

@@ -8,10 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from common.config import flat_values
 from learner.main import parse_config as learner_config
 from server.main import parse_config as server_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "config"
+
+
+@pytest.mark.parametrize("name", ["server", "learner"])
+def test_the_files_are_plaintext_examples_for_one_machine(name: str) -> None:
+    parse = server_config if name == "server" else learner_config
+    values = flat_values(parse(["--config", str(CONFIGS / f"{name}.toml")]))
+    assert values["insecure"] and values["metrics_listen"].startswith("127.0.0.1:")
+    assert values[{"server": "listen", "learner": "server"}[name]].startswith("127.0.0.1:")
 
 
 def test_the_server_file_parses_and_leaves_the_pull_codec_to_the_recipe() -> None:
