@@ -166,7 +166,8 @@ def test_k8s_manifests_pass_the_api_schema_strictly(version: str) -> None:
 def test_prometheus_in_the_cluster_scrapes_every_annotated_pod_with_its_shard() -> None:
     config = yaml.safe_load((DEPLOY / "prometheus" / "k8s.yml").read_text())
     (job,) = config["scrape_configs"]
-    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    # its own namespace only: a namespaced Role suffices (test below)
+    assert job["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"own_namespace": True}}]
     relabel = {r.get("target_label", r.get("action")): r for r in job["relabel_configs"]}
     assert relabel["keep"]["source_labels"] == [
         "__meta_kubernetes_pod_annotation_prometheus_io_scrape",
@@ -191,6 +192,35 @@ def test_prometheus_in_the_cluster_scrapes_every_annotated_pod_with_its_shard() 
     assert pod["annotations"]["prometheus.io/scrape"] == "true"
     assert relabel["job"]["source_labels"] == ["__meta_kubernetes_pod_label_app"]
     assert pod["labels"]["app"] == "diloco-server"  # the job the dashboard's panels select
+
+
+def test_prometheus_in_the_cluster_may_list_pods_of_its_namespace_and_reads_the_config() -> None:
+    objects = k8s_objects()
+    pod = objects[("Deployment", "diloco-prometheus")]["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    assert ("ServiceAccount", account) in objects
+    (binding,) = [
+        o for (kind, _), o in objects.items()
+        if kind == "RoleBinding" and {"kind": "ServiceAccount", "name": account} in o["subjects"]
+    ]  # fmt: skip
+    assert binding["roleRef"]["kind"] == "Role"  # not cluster-wide
+    (rule,) = objects[("Role", binding["roleRef"]["name"])]["rules"]
+    assert rule["resources"] == ["pods"] and {"list", "watch"} <= set(rule["verbs"])
+    assert set(rule["verbs"]) <= {"get", "list", "watch"}  # reads, nothing more
+    # The config file is deploy/prometheus/k8s.yml, as the ConfigMap the header's kubectl
+    # command makes from it, under the name the flag reads.
+    (container,) = pod["containers"]
+    config_flag = next(a for a in container["args"] if a.startswith("--config.file="))
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volume = next(v for v in pod["volumes"] if "configMap" in v)
+    config_map = volume["configMap"]["name"]
+    key = config_flag.partition("=")[2].removeprefix(mounts[volume["name"]] + "/")
+    made_by = f"kubectl create configmap {config_map} --from-file={key}=deploy/prometheus/k8s.yml"
+    assert made_by in (DEPLOY / "k8s" / "prometheus.yaml").read_text()
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    data = next(a for a in container["args"] if a.startswith("--storage.tsdb.path="))
+    assert data.partition("=")[2] in mounts.values()  # its one writable place is a volume
 
 
 @pytest.mark.parametrize("cls", [ServerConfig, LearnerConfig])
