@@ -223,8 +223,10 @@ def main() -> None:
         sys.exit(TOKEN_USAGE)
     try:
         print(add_token(sys.argv[2], sys.argv[3]))
-    except ValueError as err:
-        sys.exit(f"server.auth: error: {err}")
+    except ValueError as err:  # a bad id, a malformed token file
+        sys.exit(f"diloco-token: error: {err}")
+    except OSError as err:  # its folder is missing or not writable: name the file, not the temp
+        sys.exit(f"diloco-token: error: cannot update {sys.argv[2]}: {err.strerror}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`diloco-token`: help, a bad command line, and adding a token."""
+"""`diloco-token`: help, a bad command line, a bad id or file, and adding a token."""
 
 import sys
 
@@ -31,3 +31,21 @@ def test_add_prints_a_token_the_file_then_accepts(tmp_path, monkeypatch, capsys)
     auth = TokenAuth(str(path))
     assert auth.verify("dc1-node0", token) is not None
     assert auth.verify("dc1-node0", token + "x") is None
+
+
+@pytest.mark.parametrize(
+    ("where", "learner_id", "message"),
+    [
+        ("missing/tokens.txt", "a", "No such file or directory"),
+        ("tokens.txt", "two words", "learner_id must be non-empty and without spaces"),
+    ],
+)
+def test_a_bad_id_or_path_is_one_line_and_writes_nothing(
+    tmp_path, monkeypatch, where, learner_id, message
+):
+    monkeypatch.setattr(sys, "argv", ["diloco-token", "add", str(tmp_path / where), learner_id])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    text = str(exited.value.code)
+    assert text.startswith("diloco-token: error: ") and message in text and "\n" not in text
+    assert list(tmp_path.iterdir()) == []
