@@ -10,11 +10,13 @@ import pytest
 
 from deploy.launcher import start_daemon
 
-# A stand-in daemon: writes its port file (if given one) and its metrics port file, then idles.
+# A stand-in daemon: writes its metrics port file, then its port file (the order diloco-server
+# follows: /metrics is up before the port file says it serves), then idles. The other order
+# raced the test on a busy machine: start_daemon returns once the port file is there.
 FAKE = """
 import pathlib, sys, time
 args = sys.argv[1:]
-for flag, port in (("--port-file", "4321"), ("--metrics-port-file", "9876")):
+for flag, port in (("--metrics-port-file", "9876"), ("--port-file", "4321")):
     if flag in args:
         pathlib.Path(args[args.index(flag) + 1]).write_text(port + "\\n")
 print("up", flush=True)
