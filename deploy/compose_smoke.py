@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,10 @@ def sh(*argv: str, env: dict | None = None, quiet: bool = False) -> str:
     return result.stdout or ""
 
 
+# `deb [options] URI suite components`; the options, if any, in brackets (spaces allowed).
+ONE_LINE_SOURCE = re.compile(r"deb\s+(?:\[[^\]]*\]\s*)?(?P<uri>\S+)\s+(?P<suite>\S+)")
+
+
 def apt_entries(text: str) -> list[tuple[str, list[str]]]:
     """(URI, suites) of each `deb` source in one apt sources file, deb822 stanzas
     (`*.sources`) or one-line entries (`sources.list`, `*.list`: `deb [options] URI suite
@@ -77,16 +82,9 @@ def apt_entries(text: str) -> list[tuple[str, list[str]]]:
         if enabled and fields.get("URIs", "").strip():
             entries.append((fields["URIs"].split()[0], fields.get("Suites", "").split()))
     for line in text.splitlines():
-        words = line.split("#", 1)[0].split()
-        if words[:1] != ["deb"]:
-            continue
-        words = words[1:]
-        if words and words[0].startswith("["):  # options, possibly spaced: [ arch=amd64 ]
-            while words and not words[0].endswith("]"):
-                words = words[1:]
-            words = words[1:]
-        if len(words) >= 2:
-            entries.append((words[0], [words[1]]))
+        one_line = ONE_LINE_SOURCE.match(line.split("#", 1)[0].strip())
+        if one_line:
+            entries.append((one_line["uri"], [one_line["suite"]]))
     return entries
 
 

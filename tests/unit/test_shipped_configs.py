@@ -41,13 +41,14 @@ def test_the_learner_file_parses_to_the_defaults_it_spells_out() -> None:
     assert given == default
 
 
-@pytest.mark.parametrize("name", ["server.toml", "learner.toml"])
-def test_every_commented_out_setting_parses_once_uncommented(name: str) -> None:
-    """A `#   key = value` example line must be valid TOML when a user removes the '#'."""
+def test_every_commented_out_setting_parses_once_uncommented() -> None:
+    """A `#   key = value` example line must be valid TOML when a user removes the '#'
+    (server.toml's TLS lines; learner.toml has none of that form)."""
     examples = [
         line.lstrip("#").strip()
-        for line in (CONFIGS / name).read_text().splitlines()
+        for line in (CONFIGS / "server.toml").read_text().splitlines()
         if re.match(r"#\s+\w+ = ", line)
     ]
+    assert examples  # the test reads something
     for example in examples:
         tomllib.loads(example)  # raises on two settings on one line, unquoted strings, ...
