@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.plotting import pyplot  # noqa: E402
 from deploy.cluster import Cluster  # noqa: E402
 from deploy.watch import LearnerPoint, ServerPoint, Watch, counter_total, eval_points  # noqa: E402
 
@@ -121,13 +122,8 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float:
 
 
 def plot(results: dict[str, dict], target: float, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing (pip install -e '.[bench]'): no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, result in results.items():

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from bench.plotting import pyplot
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 TARGETS = {  # figure -> (target, "min" if higher is better else "max")
@@ -156,10 +158,9 @@ def verdict(name: str, value: float) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     names = list(TARGETS)
     fig, ax = plt.subplots(figsize=(7, 3.5))

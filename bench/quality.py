@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.quality_runs import Row, run_rows  # noqa: E402
+from bench.plotting import pyplot  # noqa: E402
+from bench.quality_runs import Row, add_setup_args, run_rows, setup_kw  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The best learning rates of bench/quality_sweep.py lr (docs/RESULTS.md, "Tuned baselines").
@@ -176,10 +177,9 @@ def check(entries: list[dict]) -> list[str]:
 
 
 def plot(entries: list[dict], out_dir: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(9, 6))
     for e in entries:
@@ -220,23 +220,13 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="runs trained in parallel")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--fresh", action="store_true", help="retrain every run (no cache)")
-    parser.add_argument("--device", default="cpu", help="where the models train (cpu, cuda)")
-    parser.add_argument(
-        "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
-    )
     parser.add_argument(
         "--dp-lr", type=float, default=DP_LR, help="data-parallel's lr (its sweep's best)"
     )
     parser.add_argument(
         "--inner-lr", type=float, default=INNER_LR, help="the learners' lr (its sweep's best)"
     )
-    parser.add_argument(
-        "--lr-schedule",
-        choices=["cosine", "constant"],
-        default="constant",
-        help="inner learning rate over the run, the same for every row: constant, or "
-        "cosine (5%% linear warm-up, cosine decay to 10%%)",
-    )
+    add_setup_args(parser)
     args = parser.parse_args()
     steps = 150 if args.quick else 1000
     rows = [
@@ -248,14 +238,13 @@ def main() -> int:
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = None if args.fresh else args.out / "quality_runs.json"
-    setup_kw = {"n_embd": args.n_embd, "device": args.device, "lr_schedule": args.lr_schedule}
-    results = run_rows(rows, cache, args.workers, quick=args.quick, **setup_kw)
+    results = run_rows(rows, cache, args.workers, quick=args.quick, **setup_kw(args))
     entries = summarize(results, rows)
     print_table(entries)
     verdicts = check(entries)
     print("\n" + "\n".join(verdicts))
     report = {
-        "setup": {**vars(rows[0].setup(args.quick, **setup_kw)), "inner_lr": args.inner_lr},
+        "setup": {**vars(rows[0].setup(args.quick, **setup_kw(args))), "inner_lr": args.inner_lr},
         "dp_lr": args.dp_lr,
         "quick": args.quick,
         "variants": entries,

@@ -13,6 +13,7 @@ bench/quality.py and bench/quality_sweep.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import os
@@ -114,13 +115,50 @@ def cache_key(setup: Setup, variant: Variant) -> str:
     residual settings left out, so that its key does not depend on settings it never uses;
     a residual kept apart from the model is the key without push_feedback_in_model)."""
     fields = {**asdict(variant), "name": ""}
+    setup_fields = asdict(setup)
+    if not setup.tf32:  # runs made before the setting existed keep their keys
+        del setup_fields["tf32"]
     if not variant.topk_fraction:
         del fields["topk_fraction"]
     if not is_sparse(variant.push_codec):
         del fields["push_feedback_decay"]
     if not (is_sparse(variant.push_codec) and variant.push_feedback_in_model):
         del fields["push_feedback_in_model"]
-    return json.dumps({"setup": asdict(setup), "variant": fields}, sort_keys=True)
+    return json.dumps({"setup": setup_fields, "variant": fields}, sort_keys=True)
+
+
+def add_setup_args(parser: argparse.ArgumentParser) -> None:
+    """The model, data and device options that bench/quality.py and quality_sweep.py share."""
+    parser.add_argument("--device", default="cpu", help="where the models train (cpu, cuda)")
+    parser.add_argument(
+        "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
+    )
+    parser.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--n-head", type=int, default=4, help="attention heads per block")
+    parser.add_argument(
+        "--corpus-mb", type=int, default=4, help="MiB of the built-in corpus per split"
+    )
+    parser.add_argument("--tf32", action="store_true", help="CUDA: float32 matrix products in TF32")
+    parser.add_argument(
+        "--lr-schedule",
+        choices=["cosine", "constant"],
+        default="constant",
+        help="inner learning rate over the run, the same for every row: constant, or "
+        "cosine (5%% linear warm-up, cosine decay to 10%%)",
+    )
+
+
+def setup_kw(args: argparse.Namespace) -> dict:
+    """Setup fields from add_setup_args' options (for Row.setup and run_rows)."""
+    return {
+        "device": args.device,
+        "n_embd": args.n_embd,
+        "n_layer": args.n_layer,
+        "n_head": args.n_head,
+        "corpus_max_bytes": args.corpus_mb << 20,
+        "tf32": args.tf32,
+        "lr_schedule": args.lr_schedule,
+    }
 
 
 def run_rows(
@@ -140,7 +178,16 @@ def run_rows(
             todo.append(row)
     print(f"{len(rows)} runs: {len(rows) - len(todo)} cached, {len(todo)} to train", flush=True)
 
-    def finish(row: Row, result: Result) -> None:
+    failed = []
+
+    def finish(row: Row, train) -> None:
+        """Keep `train()`'s run (cache file rewritten), or report its failure and go on."""
+        try:
+            result = train()
+        except Exception as exc:  # noqa: BLE001 - reported here, raised after the last run
+            print(f"  FAILED: {row.method} seed {row.seed}: {exc!r}", flush=True)
+            failed.append(f"{row.method} seed {row.seed}")
+            return
         out[row] = result
         print(
             f"  done: {row.method} seed {row.seed} steps {row.steps}: "
@@ -153,15 +200,17 @@ def run_rows(
     # One torch thread per run either way: the thread count can move the last bits.
     if workers <= 1:  # one at a time, in this process
         for row in todo:
-            finish(row, run_variant(*jobs[row], 1))
-        return out
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-        futures = {pool.submit(run_variant, *jobs[row], 1): row for row in todo}
-        # Each run is kept as soon as it ends: a failure or a kill later loses only the runs
-        # still going, not the finished ones queued behind a long run.
-        for future in as_completed(futures):
-            finish(futures[future], future.result())
+            finish(row, lambda row=row: run_variant(*jobs[row], 1))
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = {pool.submit(run_variant, *jobs[row], 1): row for row in todo}
+            # Each run is kept as soon as it ends: a failed run, or a kill later, loses only
+            # itself and the runs still going, not the finished ones queued behind it.
+            for future in as_completed(futures):
+                finish(futures[future], future.result)
+    if failed:
+        raise RuntimeError(f"{len(failed)} run(s) failed: {'; '.join(failed)}")
     return out
 
 

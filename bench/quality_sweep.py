@@ -11,7 +11,9 @@ the best lr of each, which bench/quality.py's DP_LR and INNER_LR hold. `trend`: 
 and the given codec rows at --steps-list, to show whether the gap at fixed H shrinks as outer
 steps accumulate. Both share bench/results/quality_runs.json (finished runs are reused) and
 write bench/results/quality_sweep.json. `--n-embd 128 --out bench/results/quality_0.9M`
-sweeps the 0.9 M-parameter model beside `bench/quality.py --n-embd 128`'s runs there.
+sweeps the 0.9 M-parameter model beside `bench/quality.py --n-embd 128`'s runs there; the
+model, corpus and device options (--n-layer, --n-head, --corpus-mb, --device cuda, --tf32)
+are bench/quality.py's, and `trend --dp-lr` with no value trains no data-parallel rows.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.quality_runs import Row, run_rows  # noqa: E402
+from bench.quality_runs import Row, add_setup_args, run_rows, setup_kw  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -96,22 +98,21 @@ def main() -> int:
     parser.add_argument(
         "--dp-lr",
         type=float,
-        nargs="+",
+        nargs="*",
         default=[2e-3],
-        help="trend: data-parallel's lrs (each row's gap is against the best at its length)",
+        help="trend: data-parallel's lrs (each row's gap is against the best at its length; "
+        "none: no data-parallel runs)",
     )
     parser.add_argument("--inner-lr", type=float, default=2e-3, help="trend: the learners' lr")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument(
-        "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
-    )
+    add_setup_args(parser)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cache", default="quality_runs.json", help="file of runs, in --out")
     args = parser.parse_args()
     rows = lr_rows(args) if args.what == "lr" else trend_rows(args)
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_rows(rows, args.out / args.cache, args.workers, n_embd=args.n_embd)
+    results = run_rows(rows, args.out / args.cache, args.workers, **setup_kw(args))
     table = []
     for row in rows:
         r = results[row]

@@ -45,6 +45,9 @@ class Setup:
     corpus_max_bytes: int = 4 << 20
     seed: int = 0  # model init and data order
     device: str = "cpu"  # where the models train; the aggregator always runs on the CPU
+    # CUDA float32 matrix products in TF32 (about 3x faster on an H100/H200, ~1e-3 relative
+    # error per product); off: full float32, as on the CPU.
+    tf32: bool = False
     # Inner learning rate over the run: "constant", or "cosine" (linear warm-up over
     # warmup_fraction of the steps, then cosine decay to min_lr_ratio of inner_lr).
     lr_schedule: str = "constant"
@@ -142,6 +145,7 @@ def load_data(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_variant(setup: Setup, variant: Variant, threads: int = 1) -> Result:
     torch.set_num_threads(threads)
+    torch.backends.cuda.matmul.allow_tf32 = setup.tf32
     started, cpu_started = time.perf_counter(), time.process_time()
     train, val = load_data(setup)
     eval_set = BatchSampler(val, setup.batch_size, setup.block_size, seed=1234)

@@ -144,6 +144,37 @@ def test_the_cache_trains_each_run_once(tmp_path, monkeypatch) -> None:
     assert asdict(again[rows[0]])["push_bytes"] == 400
 
 
+def test_a_failed_run_is_named_and_the_others_are_kept(tmp_path, monkeypatch, capsys) -> None:
+    def train(setup, variant, threads):
+        if variant.kind == "diloco":
+            raise ValueError("no fragments")
+        return fake_result(1.0 + setup.seed, 400, 400)
+
+    monkeypatch.setattr(quality_runs, "run_variant", train)
+    cache = tmp_path / "runs.json"
+    rows = [Row("fp4", h=20, seed=0), Row("dp", seed=0), Row("dp", seed=1)]
+    with pytest.raises(RuntimeError, match=r"1 run\(s\) failed: fp4 H=20 lr 0.001 seed 0"):
+        run_rows(rows, cache, workers=1)
+    assert "FAILED: fp4 H=20 lr 0.001 seed 0: ValueError('no fragments')" in capsys.readouterr().out
+    assert len(json.loads(cache.read_text())) == 2  # both data-parallel runs kept
+
+
+def test_model_data_and_device_options_reach_the_setup_and_tf32_off_keeps_cached_keys() -> None:
+    parser = argparse.ArgumentParser()
+    quality_runs.add_setup_args(parser)
+    args = parser.parse_args(["--device", "cuda", "--n-layer", "8", "--n-embd", "512",
+                              "--n-head", "8", "--corpus-mb", "16", "--tf32"])  # fmt: skip
+    setup = Row("fp4", h=20).setup(**quality_runs.setup_kw(args))
+    assert (setup.device, setup.n_layer, setup.n_embd, setup.n_head) == ("cuda", 8, 512, 8)
+    assert (setup.corpus_max_bytes, setup.tf32) == (16 << 20, True)
+    row = Row("fp4", h=20)
+    assert '"tf32": true' in quality_runs.cache_key(setup, row.variant())
+    # Off, the key is what it was before the option existed: cached runs stay valid.
+    defaults = row.setup(**quality_runs.setup_kw(parser.parse_args([])))
+    assert defaults == row.setup()
+    assert "tf32" not in quality_runs.cache_key(defaults, row.variant())
+
+
 def test_rows_report_mean_and_std_of_gaps_against_the_same_seeds_dp() -> None:
     rows = [Row("dp", lr=2e-3, seed=s) for s in (0, 1)] + [Row("fp4", h=20, seed=s) for s in (0, 1)]
     results = {
