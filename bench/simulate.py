@@ -45,8 +45,8 @@ class Setup:
     corpus_max_bytes: int = 4 << 20
     seed: int = 0  # model init and data order
     device: str = "cpu"  # where the models train; the aggregator always runs on the CPU
-    # CUDA float32 matrix products in TF32 (about 3x faster on an H100/H200, ~1e-3 relative
-    # error per product); off: full float32, as on the CPU.
+    # CUDA float32 matrix products on the tensor cores in TF32 (10-bit mantissa inputs,
+    # float32 sums); off: full float32 products, as on the CPU.
     tf32: bool = False
     # Inner learning rate over the run: "constant", or "cosine" (linear warm-up over
     # warmup_fraction of the steps, then cosine decay to min_lr_ratio of inner_lr).
