@@ -86,6 +86,9 @@ def test_the_trend_has_every_row_at_every_step_count_and_seed() -> None:
     args.dp_lr = [2e-3, 1e-3]  # one data-parallel row per lr
     assert Row("dp", lr=1e-3, steps=3000, seed=0) in trend_rows(args)
     assert len(trend_rows(args)) == 2 * 2 * 4
+    args.dp_lr = []  # `--dp-lr` with no value: the codec rows alone
+    assert len(trend_rows(args)) == 2 * 2 * 2
+    assert not any(row.codec == "dp" for row in trend_rows(args))
     args.dp_lr = [2e-3]
     assert Row("sparse-2bit", h=20, topk=0.015625, lr=2e-3, steps=3000, seed=1) in rows
     assert Row("dp", lr=2e-3, steps=1000, seed=1) in rows
