@@ -238,13 +238,14 @@ def main() -> int:
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     cache = None if args.fresh else args.out / "quality_runs.json"
-    results = run_rows(rows, cache, args.workers, quick=args.quick, **setup_kw(args))
+    kw = setup_kw(args)
+    results = run_rows(rows, cache, args.workers, quick=args.quick, **kw)
     entries = summarize(results, rows)
     print_table(entries)
     verdicts = check(entries)
     print("\n" + "\n".join(verdicts))
     report = {
-        "setup": {**vars(rows[0].setup(args.quick, **setup_kw(args))), "inner_lr": args.inner_lr},
+        "setup": {**vars(rows[0].setup(args.quick, **kw)), "inner_lr": args.inner_lr},
         "dp_lr": args.dp_lr,
         "quick": args.quick,
         "variants": entries,
