@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.plotting import pyplot  # noqa: E402
-from bench.quality_runs import Row, add_setup_args, run_rows, setup_kw  # noqa: E402
+from bench.quality_runs import WIRE, Row, add_setup_args, run_rows, setup_kw  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The best learning rates of bench/quality_sweep.py lr (docs/RESULTS.md, "Tuned baselines").
@@ -63,6 +63,19 @@ def parse_row(text: str) -> Row:
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"bad row {text!r}: {err}") from None
     return row
+
+
+def parse_codec_lr(text: str) -> tuple[str, float]:
+    """A --codec-lr entry: codec=lr (fp4=1.25e-4)."""
+    codec, _, lr = text.partition("=")
+    try:
+        if codec not in WIRE or float(lr) <= 0:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"bad --codec-lr {text!r}: expected codec=lr, lr > 0, codec one of {', '.join(WIRE)}"
+        ) from None
+    return codec, float(lr)
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -226,11 +239,25 @@ def main() -> int:
     parser.add_argument(
         "--inner-lr", type=float, default=INNER_LR, help="the learners' lr (its sweep's best)"
     )
+    parser.add_argument(
+        "--codec-lr",
+        nargs="+",
+        type=parse_codec_lr,
+        default=[],
+        metavar="CODEC=LR",
+        help="a codec's own inner lr where its sweep's best differs from --inner-lr",
+    )
     add_setup_args(parser)
     args = parser.parse_args()
     steps = 150 if args.quick else 1000
+    inner_lr = dict(args.codec_lr)
     rows = [
-        replace(row, lr=args.dp_lr if row.codec == "dp" else args.inner_lr, steps=steps, seed=seed)
+        replace(
+            row,
+            lr=args.dp_lr if row.codec == "dp" else inner_lr.get(row.codec, args.inner_lr),
+            steps=steps,
+            seed=seed,
+        )
         for seed in args.seeds
         for row in [Row("dp")] + (args.rows or (QUICK if args.quick else HEADLINE))
     ]
@@ -239,13 +266,14 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     cache = None if args.fresh else args.out / "quality_runs.json"
     kw = setup_kw(args)
-    results = run_rows(rows, cache, args.workers, quick=args.quick, **kw)
+    results = run_rows(rows, cache, args.workers, args.quick, args.threads, **kw)
     entries = summarize(results, rows)
     print_table(entries)
     verdicts = check(entries)
     print("\n" + "\n".join(verdicts))
     report = {
         "setup": {**vars(rows[0].setup(args.quick, **kw)), "inner_lr": args.inner_lr},
+        "codec_lr": inner_lr,
         "dp_lr": args.dp_lr,
         "quick": args.quick,
         "variants": entries,

@@ -140,6 +140,12 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tf32", action="store_true", help="CUDA: float32 matrix products in TF32")
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads per run (on a GPU, more speed up the codecs and the outer step)",
+    )
+    parser.add_argument(
         "--lr-schedule",
         choices=["cosine", "constant"],
         default="constant",
@@ -162,10 +168,16 @@ def setup_kw(args: argparse.Namespace) -> dict:
 
 
 def run_rows(
-    rows: list[Row], cache: Path | None, workers: int = 2, quick: bool = False, **setup_kw
+    rows: list[Row],
+    cache: Path | None,
+    workers: int = 2,
+    quick: bool = False,
+    threads: int = 1,
+    **setup_kw,
 ) -> dict[Row, Result]:
     """Each row's result: from `cache` when it holds the same run, else trained (in parallel
-    over `workers` processes, the cache rewritten after each run)."""
+    over `workers` processes of `threads` torch CPU threads each, in the rows' order, the
+    cache rewritten after each run)."""
     stored = json.loads(cache.read_text()) if cache and cache.exists() else {}
     jobs = {row: (row.setup(quick, **setup_kw), row.variant()) for row in rows}
     out = {}
@@ -197,14 +209,16 @@ def run_rows(
         if cache:
             save(cache, cache_key(*jobs[row]), asdict(result))
 
-    # One torch thread per run either way: the thread count can move the last bits.
+    # One torch thread per run by default: on the CPU the thread count can move a matrix
+    # product's last bits. Runs on a GPU spend their CPU time in the codecs and the outer
+    # step, element-wise work that more threads speed up.
     if workers <= 1:  # one at a time, in this process
         for row in todo:
-            finish(row, lambda row=row: run_variant(*jobs[row], 1))
+            finish(row, lambda row=row: run_variant(*jobs[row], threads))
     else:
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            futures = {pool.submit(run_variant, *jobs[row], 1): row for row in todo}
+            futures = {pool.submit(run_variant, *jobs[row], threads): row for row in todo}
             # Each run is kept as soon as it ends: a failed run, or a kill later, loses only
             # itself and the runs still going, not the finished ones queued behind it.
             for future in as_completed(futures):

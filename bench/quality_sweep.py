@@ -112,7 +112,9 @@ def main() -> int:
     rows = lr_rows(args) if args.what == "lr" else trend_rows(args)
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_rows(rows, args.out / args.cache, args.workers, **setup_kw(args))
+    results = run_rows(
+        rows, args.out / args.cache, args.workers, threads=args.threads, **setup_kw(args)
+    )
     table = []
     for row in rows:
         r = results[row]

@@ -280,3 +280,37 @@ def test_sparse_is_judged_against_the_best_fp4_row_of_its_h() -> None:
     lines = quality.check(entries)
     assert "FAIL  sparse-2bit H=5: 10.0x fewer bytes than fp4 H=5 outer lr 0.35 (>= 8x), " \
         "mean gap +10.00 pp vs its (<= +0.5 pp)" in lines  # fmt: skip
+
+
+def test_a_codec_can_train_at_its_own_inner_lr(tmp_path, monkeypatch) -> None:
+    seen = []
+
+    def train(setup, variant, threads):
+        assert threads == 3
+        seen.append((variant.push_codec if variant.kind == "diloco" else "dp", setup.inner_lr))
+        return fake_result(1.5, 600, 400)
+
+    monkeypatch.setattr(quality_runs, "run_variant", train)
+    monkeypatch.setattr(quality, "plot", lambda entries, out_dir: None)
+    argv = ["quality.py", "--workers", "1", "--out", str(tmp_path), "--seeds", "0",
+            "--threads", "3", "--dp-lr", "2.5e-4", "--inner-lr", "2.5e-4",
+            "--codec-lr", "fp4=1.25e-4"]  # fmt: skip
+    monkeypatch.setattr("sys.argv", argv)
+    assert quality.main() == 0
+    assert sorted(seen) == [("dp", 2.5e-4), ("fp4_e2m1", 1.25e-4), ("sparse_2bit", 2.5e-4)]
+    assert json.loads((tmp_path / "quality.json").read_text())["codec_lr"] == {"fp4": 1.25e-4}
+    for bad in ("fp3=1e-3", "fp4=0", "fp4", "fp4=x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="bad --codec-lr"):
+            quality.parse_codec_lr(bad)
+
+
+def test_each_run_gets_the_asked_cpu_threads(tmp_path, monkeypatch) -> None:
+    threads_seen = []
+
+    def train(setup, variant, threads):
+        threads_seen.append(threads)
+        return fake_result(1.0, 400, 400)
+
+    monkeypatch.setattr(quality_runs, "run_variant", train)
+    run_rows([Row("dp", seed=0), Row("dp", seed=1)], None, workers=1, threads=3)
+    assert threads_seen == [3, 3]
