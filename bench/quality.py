@@ -4,6 +4,9 @@
     python bench/quality.py --quick    # shortened (<= 5 min): quality_quick.json, no plots
     python bench/quality.py --n-embd 128 --seeds 0 --dp-lr 1e-3 --inner-lr 1e-3 \
         --out bench/results/quality_0.9M   # the 0.9 M model at its own sweep's best lrs
+    python bench/quality.py --device cuda --tf32 --n-layer 8 --n-embd 512 --n-head 8 \
+        --corpus-mb 16 --dp-lr 2.5e-4 --inner-lr 2.5e-4 --codec-lr fp4=1.25e-4 \
+        --workers 4 --threads 3 --out bench/results/quality_25M   # 25.4 M, on a GPU
 
 Same model, data, K = 4 learners and total tokens for data-parallel (gradients averaged every
 step, counted as a ring all-reduce of fp32 gradients) at its best learning rate and for
