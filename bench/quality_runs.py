@@ -127,6 +127,17 @@ def cache_key(setup: Setup, variant: Variant) -> str:
     return json.dumps({"setup": setup_fields, "variant": fields}, sort_keys=True)
 
 
+def positive_int(text: str) -> int:
+    """An option's value that must be a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def add_setup_args(parser: argparse.ArgumentParser) -> None:
     """The model, data and device options that bench/quality.py and quality_sweep.py share."""
     parser.add_argument("--device", default="cpu", help="where the models train (cpu, cuda)")
@@ -141,7 +152,7 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tf32", action="store_true", help="CUDA: float32 matrix products in TF32")
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=1,
         help="torch CPU threads per run (on a GPU, more speed up the codecs and the outer step)",
     )

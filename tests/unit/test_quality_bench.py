@@ -314,3 +314,9 @@ def test_each_run_gets_the_asked_cpu_threads(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(quality_runs, "run_variant", train)
     run_rows([Row("dp", seed=0), Row("dp", seed=1)], None, workers=1, threads=3)
     assert threads_seen == [3, 3]
+    parser = argparse.ArgumentParser()
+    quality_runs.add_setup_args(parser)
+    assert parser.parse_args(["--threads", "4"]).threads == 4
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole number >= 1"):
+            quality_runs.positive_int(bad)
