@@ -70,15 +70,16 @@ def parse_row(text: str) -> Row:
 
 def parse_codec_lr(text: str) -> tuple[str, float]:
     """A --codec-lr entry: codec=lr (fp4=1.25e-4)."""
-    codec, _, lr = text.partition("=")
+    codec, _, value = text.partition("=")
     try:
-        if codec not in WIRE or float(lr) <= 0:
-            raise ValueError
+        lr = float(value)
     except ValueError:
+        lr = 0.0
+    if codec not in WIRE or not lr > 0:  # `not >`: NaN is refused too
         raise argparse.ArgumentTypeError(
             f"bad --codec-lr {text!r}: expected codec=lr, lr > 0, codec one of {', '.join(WIRE)}"
-        ) from None
-    return codec, float(lr)
+        )
+    return codec, lr
 
 
 def mean_std(values: list[float]) -> tuple[float, float | None]:
@@ -253,11 +254,11 @@ def main() -> int:
     add_setup_args(parser)
     args = parser.parse_args()
     steps = 150 if args.quick else 1000
-    inner_lr = dict(args.codec_lr)
+    codec_lr = dict(args.codec_lr)
     rows = [
         replace(
             row,
-            lr=args.dp_lr if row.codec == "dp" else inner_lr.get(row.codec, args.inner_lr),
+            lr=args.dp_lr if row.codec == "dp" else codec_lr.get(row.codec, args.inner_lr),
             steps=steps,
             seed=seed,
         )
@@ -276,7 +277,7 @@ def main() -> int:
     print("\n" + "\n".join(verdicts))
     report = {
         "setup": {**vars(rows[0].setup(args.quick, **kw)), "inner_lr": args.inner_lr},
-        "codec_lr": inner_lr,
+        "codec_lr": codec_lr,
         "dp_lr": args.dp_lr,
         "quick": args.quick,
         "variants": entries,
