@@ -314,6 +314,9 @@ def test_each_run_gets_the_asked_cpu_threads(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(quality_runs, "run_variant", train)
     run_rows([Row("dp", seed=0), Row("dp", seed=1)], None, workers=1, threads=3)
     assert threads_seen == [3, 3]
+
+
+def test_threads_must_be_a_whole_number_of_at_least_one() -> None:
     parser = argparse.ArgumentParser()
     quality_runs.add_setup_args(parser)
     assert parser.parse_args(["--threads", "4"]).threads == 4
