@@ -47,22 +47,31 @@ HEADLINE = [Row("fp4", h=20), Row("sparse-2bit", h=20, topk=SPARSE_TOPK)]
 QUICK = [Row("fp4", h=10), Row("sparse-2bit", h=10, topk=SPARSE_TOPK)]
 
 
+ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[:inmodel]]]"
+
+
 def parse_row(text: str) -> Row:
     """A --rows entry: codec:H[:topk[:outer_lr[:inmodel]]] (fp4:50, sparse-fp4:20:0.015625,
     fp4:5:0:0.35, sparse-2bit:5:0.015625::inmodel); without an outer lr, the codec's recipe's;
-    `inmodel`: sparse pushes keep their residual in the local model too (the learner's
-    --push-feedback-in-model)."""
+    topk as push/pull (0.015625/0.046875) sets the pull's fraction too (else twice the
+    push's); `inmodel`: sparse pushes keep their residual in the local model too (the
+    learner's --push-feedback-in-model)."""
     parts = text.split(":")
     try:
         if not 2 <= len(parts) <= 5 or parts[4:] not in ([], ["inmodel"]):
-            raise ValueError("expected codec:H[:topk[:outer_lr[:inmodel]]]")
+            raise ValueError(f"expected {ROW_FORMAT}")
         codec, h = parts[0], int(parts[1])
-        topk = float(parts[2]) if len(parts) > 2 else 0.0
+        push, slash, pull = (parts[2] if len(parts) > 2 else "0").partition("/")
+        topk = float(push)
+        pull_topk = float(pull) if slash else None
         outer_lr = float(parts[3]) if len(parts) > 3 and parts[3] else None
-        row = Row(codec, h=h, topk=topk, outer_lr=outer_lr, feedback_in_model=len(parts) == 5)
-        row.variant()  # an unknown codec raises here
         if h < 1 or not 0 <= topk <= 1 or not (outer_lr is None or outer_lr > 0):
             raise ValueError("H must be >= 1, topk in [0, 1] and the outer lr > 0")
+        if pull_topk is not None and not (0 < pull_topk <= 1 and topk > 0):
+            raise ValueError("a pull fraction needs a push fraction and must be in (0, 1]")
+        row = Row(codec, h=h, topk=topk, pull_topk=pull_topk, outer_lr=outer_lr,
+                  feedback_in_model=len(parts) == 5)  # fmt: skip
+        row.variant()  # an unknown codec raises here
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"bad row {text!r}: {err}") from None
     return row
@@ -230,11 +239,10 @@ def main() -> int:
         "--rows",
         nargs="+",
         type=parse_row,
-        help="DiLoCo rows as codec:H[:topk[:outer_lr[:inmodel]]] (codecs: fp32, fp4, "
+        help=f"DiLoCo rows as {ROW_FORMAT} (codecs: fp32, fp4, "
         "sparse-2bit, sparse-fp4); "
         "default: fp4:20 sparse-2bit:20:0.015625 (--quick: H 10)",
     )
-    parser.add_argument("--workers", type=int, default=2, help="runs trained in parallel")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--fresh", action="store_true", help="retrain every run (no cache)")
     parser.add_argument(

@@ -2,8 +2,8 @@
 
     python bench/quality_goal.py --rows fp4:100 --seeds 0 1 2 --at 1000 3000 5000
 
-For each row (bench/quality.py's codec:H[:topk[:outer_lr[:inmodel]]]), each seed and each
-step count in --at: the eval loss at that step, from the shortest run in
+For each row (bench/quality.py's codec:H[:topk[/pull_topk][:outer_lr[:inmodel]]]), each seed
+and each step count in --at: the eval loss at that step, from the shortest run in
 bench/results/quality_runs.json that reaches it (the run's own evaluation there: with a
 constant learning rate a longer run's first S steps are an S-step run, except that a DiLoCo
 run's final figure also merges the syncs still in flight), against the best data-parallel
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.quality import best_ratio_text, mean_std, parse_row, pm  # noqa: E402
+from bench.quality import ROW_FORMAT, best_ratio_text, mean_std, parse_row, pm  # noqa: E402
 from bench.quality_runs import Row, cache_key  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -121,7 +121,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--rows", nargs="+", type=parse_row, required=True,
-        help="DiLoCo rows as codec:H[:topk[:outer_lr[:inmodel]]]",
+        help=f"DiLoCo rows as {ROW_FORMAT}",
     )  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--at", type=int, nargs="+", required=True, help="step counts to judge")

@@ -3,12 +3,12 @@
 Every DiLoCo row is Streaming DiLoCo with the daemons' best recipe (P = 4 strided fragments,
 τ = 1, merge α = 0.05, the outer Nesterov at lr 0.7 and momentum 0.9 warmed up from 0.5 over
 20 rounds; sparse codecs: server/config.py's SPARSE_OUTER step instead, pulls that keep
-twice the push's top-k fraction and the learners' decayed error-feedback residual, apart
-from their local models unless a row keeps it there); rows differ only in the codec both
-ways, its top-k fraction (sparse codecs), H, the inner learning rate, the step count and the
-seed. Runs are deterministic (the same row gives the same numbers on the same machine), so
-finished runs are kept in a cache file keyed by the full setup and variant and reused by
-bench/quality.py and bench/quality_sweep.py.
+twice the push's top-k fraction unless a row sets its own, and the learners' decayed
+error-feedback residual, apart from their local models unless a row keeps it there); rows
+differ only in the codec both ways, its top-k fractions (sparse codecs), H, the inner
+learning rate, the step count and the seed. Runs are deterministic (the same row gives the
+same numbers on the same machine), so finished runs are kept in a cache file keyed by the
+full setup and variant and reused by bench/quality.py and bench/quality_sweep.py.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class Row:
 
     codec: str
     h: int = 0
-    topk: float = 0.0  # sparse codecs: the fraction of each chunk's values pushed (pulls: 2x)
+    topk: float = 0.0  # sparse codecs: the fraction of each chunk's values pushed
+    pull_topk: float | None = None  # sparse codecs: the fraction pulled; None: twice topk
     lr: float = 1e-3  # the inner learning rate (data-parallel: its learning rate)
     steps: int = 1000
     seed: int = 0
@@ -59,12 +60,13 @@ class Row:
         if self.codec == "dp":
             return f"data-parallel lr {self.lr:g}"
         k = f" top-k 1/{1 / self.topk:g}" if self.topk else ""
+        pull = "" if self.pull_topk is None else f" pull 1/{1 / self.pull_topk:g}"
         outer = "" if self.outer_lr is None else f" outer lr {self.outer_lr:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
         sparse = is_sparse(WIRE.get(self.codec, ""))
         kept = " residual in model" if self.feedback_in_model and sparse else ""
-        return f"{self.codec}{k} H={self.h} lr {self.lr:g}{outer}{decay}{kept}{state}"
+        return f"{self.codec}{k}{pull} H={self.h} lr {self.lr:g}{outer}{decay}{kept}{state}"
 
     def setup(self, quick: bool = False, **kw) -> Setup:
         """The run's Setup; `kw` sets more of its fields (n_embd, device, lr_schedule)."""
@@ -90,10 +92,12 @@ class Row:
             topk_fraction=self.topk,
         )
         if is_sparse(WIRE[self.codec]):
-            # The daemons' defaults for sparse codecs: the outer step and a pull that keeps
-            # twice the push's fraction (server/config.py: 1/32 for 1/64); Variant's residual
-            # decay is the learner's default already.
-            pull = min(1.0, 2 * self.topk) if self.topk else SPARSE_PULL_TOPK_FRACTION
+            # The daemons' defaults for sparse codecs: the outer step and, unless the row
+            # sets one, a pull that keeps twice the push's fraction (server/config.py: 1/32
+            # for 1/64); Variant's residual decay is the learner's default already.
+            pull = self.pull_topk
+            if pull is None:
+                pull = min(1.0, 2 * self.topk) if self.topk else SPARSE_PULL_TOPK_FRACTION
             variant = replace(
                 variant,
                 **SPARSE_OUTER,
@@ -139,7 +143,8 @@ def positive_int(text: str) -> int:
 
 
 def add_setup_args(parser: argparse.ArgumentParser) -> None:
-    """The model, data and device options that bench/quality.py and quality_sweep.py share."""
+    """The model, data, device and parallelism options that bench/quality.py and
+    quality_sweep.py share."""
     parser.add_argument("--device", default="cpu", help="where the models train (cpu, cuda)")
     parser.add_argument(
         "--n-embd", type=int, default=64, help="model width: 64 = 0.22 M params, 128 = 0.9 M"
@@ -150,6 +155,7 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
         "--corpus-mb", type=int, default=4, help="MiB of the built-in corpus per split"
     )
     parser.add_argument("--tf32", action="store_true", help="CUDA: float32 matrix products in TF32")
+    parser.add_argument("--workers", type=positive_int, default=2, help="runs trained in parallel")
     parser.add_argument(
         "--threads",
         type=positive_int,

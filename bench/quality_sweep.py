@@ -104,7 +104,6 @@ def main() -> int:
         "none: no data-parallel runs)",
     )
     parser.add_argument("--inner-lr", type=float, default=2e-3, help="trend: the learners' lr")
-    parser.add_argument("--workers", type=int, default=2)
     add_setup_args(parser)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cache", default="quality_runs.json", help="file of runs, in --out")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
 from bench import quality, quality_runs
-from bench.quality_runs import Row, run_rows
+from bench.quality_runs import Row, cache_key, run_rows
 from bench.simulate import Result
 from learner.config import SyncConfig
 from server.config import SPARSE_OUTER
@@ -261,9 +261,27 @@ def test_rows_are_given_as_codec_h_topk_outer_lr_and_residual_rule() -> None:
     assert kept == Row("sparse-2bit", h=5, topk=0.015625, feedback_in_model=True)
     assert kept.method.endswith("residual in model") and kept.variant().push_feedback_in_model
     for bad, why in [("fp4", "expected codec:H"), ("fp3:20", "unknown codec"), ("fp4:0", "H must"),
-                     ("fp4:5:0:0", "outer lr"), ("fp4:5:0:1:2", "expected")]:  # fmt: skip
+                     ("fp4:5:0:0", "outer lr"), ("fp4:5:0:1:2", "expected"),
+                     ("sparse-2bit:5:0/0.5", "needs a push"), ("sparse-2bit:5:0.5/0", "must be in"),
+                     ("sparse-2bit:5:0.5/2", "must be in"),
+                     ("sparse-2bit:5:0.5/x", "could not convert")]:  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             quality.parse_row(bad)
+
+
+def test_a_row_may_set_its_pull_fraction_apart_from_twice_the_push() -> None:
+    default = quality.parse_row("sparse-2bit:5:0.015625:4.5")
+    assert default.pull_topk is None
+    assert default.variant().server["pull_topk_fraction"] == 2 * 0.015625
+    row = quality.parse_row("sparse-2bit:5:0.015625/0.046875:4.5:inmodel")
+    assert row == Row("sparse-2bit", h=5, topk=0.015625, pull_topk=0.046875, outer_lr=4.5,
+                      feedback_in_model=True)  # fmt: skip
+    assert row.variant().server["pull_topk_fraction"] == 0.046875
+    assert " pull 1/21.3333 " in row.method and " pull " not in default.method
+    # The pull's fraction is part of the run's identity: the two rows never share a cache entry.
+    apart = replace(row, feedback_in_model=False, outer_lr=None)
+    default = replace(default, outer_lr=None)
+    assert len({cache_key(r.setup(), r.variant()) for r in (default, apart)}) == 2
 
 
 def test_sparse_is_judged_against_the_best_fp4_row_of_its_h() -> None:
@@ -316,10 +334,14 @@ def test_each_run_gets_the_asked_cpu_threads(tmp_path, monkeypatch) -> None:
     assert threads_seen == [3, 3]
 
 
-def test_threads_must_be_a_whole_number_of_at_least_one() -> None:
+def test_threads_and_workers_must_be_whole_numbers_of_at_least_one() -> None:
     parser = argparse.ArgumentParser()
     quality_runs.add_setup_args(parser)
     assert parser.parse_args(["--threads", "4"]).threads == 4
+    assert parser.parse_args(["--workers", "3"]).workers == 3
+    for option in ("--threads", "--workers"):
+        with pytest.raises(SystemExit):  # argparse's one-line usage error
+            parser.parse_args([option, "0"])
     for bad in ("0", "-2", "two"):
         with pytest.raises(argparse.ArgumentTypeError, match="whole number >= 1"):
             quality_runs.positive_int(bad)
