@@ -23,7 +23,7 @@ from pathlib import Path
 
 from bench.simulate import Result, Setup, Variant, run_variant
 from common.codec import is_sparse
-from common.sparse import DEFAULT_FEEDBACK_IN_MODEL
+from common.sparse import DEFAULT_FEEDBACK_IN_MODEL, SPARSE_CHUNK, topk_k
 from server.config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
 
 # The wire codec names the rows use, and the common/codec.py codecs they send each way.
@@ -60,7 +60,7 @@ class Row:
         if self.codec == "dp":
             return f"data-parallel lr {self.lr:g}"
         k = f" top-k 1/{1 / self.topk:g}" if self.topk else ""
-        pull = "" if self.pull_topk is None else f" pull 1/{1 / self.pull_topk:g}"
+        pull = "" if self.pull_topk is None else f" pull {fraction_text(self.pull_topk)}"
         outer = "" if self.outer_lr is None else f" outer lr {self.outer_lr:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
@@ -112,6 +112,12 @@ class Row:
             server = {**variant.server, "outer_state_dtype": self.state_dtype}
             variant = replace(variant, server=server)
         return variant
+
+
+def fraction_text(fraction: float) -> str:
+    """A kept fraction as 1/n when it is one, else as values kept of each chunk (3/64: 192/4096)."""
+    n = 1 / fraction
+    return f"1/{round(n)}" if abs(n - round(n)) < 1e-9 else f"{topk_k(fraction)}/{SPARSE_CHUNK}"
 
 
 def cache_key(setup: Setup, variant: Variant) -> str:

@@ -277,7 +277,8 @@ def test_a_row_may_set_its_pull_fraction_apart_from_twice_the_push() -> None:
     assert row == Row("sparse-2bit", h=5, topk=0.015625, pull_topk=0.046875, outer_lr=4.5,
                       feedback_in_model=True)  # fmt: skip
     assert row.variant().server["pull_topk_fraction"] == 0.046875
-    assert " pull 1/21.3333 " in row.method and " pull " not in default.method
+    assert " pull 192/4096 " in row.method and " pull " not in default.method
+    assert " pull 1/32 " in replace(row, pull_topk=1 / 32).method
     # The pull's fraction is part of the run's identity: the two rows never share a cache entry.
     apart = replace(row, feedback_in_model=False, outer_lr=None)
     default = replace(default, outer_lr=None)
