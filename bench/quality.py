@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.plotting import pyplot  # noqa: E402
 from bench.quality_runs import WIRE, Row, add_setup_args, run_rows, setup_kw  # noqa: E402
+from common.codec import is_sparse  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The best learning rates of bench/quality_sweep.py lr (docs/RESULTS.md, "Tuned baselines").
@@ -72,6 +73,8 @@ def parse_row(text: str) -> Row:
         row = Row(codec, h=h, topk=topk, pull_topk=pull_topk, outer_lr=outer_lr,
                   feedback_in_model=len(parts) == 5)  # fmt: skip
         row.variant()  # an unknown codec raises here
+        if pull_topk is not None and not is_sparse(WIRE[codec]):
+            raise ValueError(f"a pull fraction is for sparse codecs; {codec} pulls dense")
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"bad row {text!r}: {err}") from None
     return row

@@ -263,7 +263,7 @@ def test_rows_are_given_as_codec_h_topk_outer_lr_and_residual_rule() -> None:
     for bad, why in [("fp4", "expected codec:H"), ("fp3:20", "unknown codec"), ("fp4:0", "H must"),
                      ("fp4:5:0:0", "outer lr"), ("fp4:5:0:1:2", "expected"),
                      ("sparse-2bit:5:0/0.5", "needs a push"), ("sparse-2bit:5:0.5/0", "must be in"),
-                     ("sparse-2bit:5:0.5/2", "must be in"),
+                     ("sparse-2bit:5:0.5/2", "must be in"), ("fp4:5:0.5/0.5", "pulls dense"),
                      ("sparse-2bit:5:0.5/x", "could not convert")]:  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=why):
             quality.parse_row(bad)
