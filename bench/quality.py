@@ -48,14 +48,15 @@ HEADLINE = [Row("fp4", h=20), Row("sparse-2bit", h=20, topk=SPARSE_TOPK)]
 QUICK = [Row("fp4", h=10), Row("sparse-2bit", h=10, topk=SPARSE_TOPK)]
 
 
-ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[:inmodel]]]"
+ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[/momentum][:inmodel]]]"
 
 
 def parse_row(text: str) -> Row:
     """A --rows entry: codec:H[:topk[:outer_lr[:inmodel]]] (fp4:50, sparse-fp4:20:0.015625,
     fp4:5:0:0.35, sparse-2bit:5:0.015625::inmodel); without an outer lr, the codec's recipe's;
     topk as push/pull (0.015625/0.046875) sets the pull's fraction too (else twice the
-    push's); `inmodel`: sparse pushes keep their residual in the local model too (the
+    push's), the outer lr as lr/momentum (2.25/0.5) the outer Nesterov's momentum (else the
+    recipe's); `inmodel`: sparse pushes keep their residual in the local model too (the
     learner's --push-feedback-in-model)."""
     parts = text.split(":")
     try:
@@ -65,13 +66,17 @@ def parse_row(text: str) -> Row:
         push, slash, pull = (parts[2] if len(parts) > 2 else "0").partition("/")
         topk = float(push)
         pull_topk = float(pull) if slash else None
-        outer_lr = float(parts[3]) if len(parts) > 3 and parts[3] else None
+        lr, slash, momentum = (parts[3] if len(parts) > 3 else "").partition("/")
+        outer_lr = float(lr) if lr else None
+        outer_momentum = float(momentum) if slash else None
         if h < 1 or not 0 <= topk <= 1 or not (outer_lr is None or outer_lr > 0):
             raise ValueError("H must be >= 1, topk in [0, 1] and the outer lr > 0")
+        if outer_momentum is not None and not (outer_lr and 0 <= outer_momentum < 1):
+            raise ValueError("an outer momentum needs an outer lr and must be in [0, 1)")
         if pull_topk is not None and not (0 < pull_topk <= 1 and topk > 0):
             raise ValueError("a pull fraction needs a push fraction and must be in (0, 1]")
         row = Row(codec, h=h, topk=topk, pull_topk=pull_topk, outer_lr=outer_lr,
-                  feedback_in_model=len(parts) == 5)  # fmt: skip
+                  outer_momentum=outer_momentum, feedback_in_model=len(parts) == 5)  # fmt: skip
         row.variant()  # an unknown codec raises here
         if pull_topk is not None and not is_sparse(WIRE[codec]):
             raise ValueError(f"a pull fraction is for sparse codecs; {codec} pulls dense")

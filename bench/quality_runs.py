@@ -6,9 +6,10 @@ Every DiLoCo row is Streaming DiLoCo with the daemons' best recipe (P = 4 stride
 twice the push's top-k fraction unless a row sets its own, and the learners' decayed
 error-feedback residual, apart from their local models unless a row keeps it there); rows
 differ only in the codec both ways, its top-k fractions (sparse codecs), H, the inner
-learning rate, the step count and the seed. Runs are deterministic (the same row gives the
-same numbers on the same machine), so finished runs are kept in a cache file keyed by the
-full setup and variant and reused by bench/quality.py and bench/quality_sweep.py.
+learning rate, the outer step's lr and momentum (sweeps), the step count and the seed. Runs
+are deterministic (the same row gives the same numbers on the same machine), so finished
+runs are kept in a cache file keyed by the full setup and variant and reused by
+bench/quality.py and bench/quality_sweep.py.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Row:
     steps: int = 1000
     seed: int = 0
     outer_lr: float | None = None  # None: the recipe's (sweeps only)
+    outer_momentum: float | None = None  # the outer Nesterov's momentum; None: the recipe's
     feedback_decay: float | None = None  # sparse pushes' residual decay; None: the default
     feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL  # residual kept in the local model too
     state_dtype: str = "float32"  # the server's outer_state_dtype
@@ -62,6 +64,8 @@ class Row:
         k = f" top-k 1/{1 / self.topk:g}" if self.topk else ""
         pull = "" if self.pull_topk is None else f" pull {fraction_text(self.pull_topk)}"
         outer = "" if self.outer_lr is None else f" outer lr {self.outer_lr:g}"
+        if self.outer_momentum is not None:
+            outer += f" momentum {self.outer_momentum:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
         sparse = is_sparse(WIRE.get(self.codec, ""))
@@ -105,6 +109,8 @@ class Row:
             )
         if self.outer_lr is not None:
             variant = replace(variant, outer_lr=self.outer_lr)
+        if self.outer_momentum is not None:
+            variant = replace(variant, outer_momentum=self.outer_momentum)
         if self.feedback_decay is not None:
             variant = replace(variant, push_feedback_decay=self.feedback_decay)
         variant = replace(variant, push_feedback_in_model=self.feedback_in_model)

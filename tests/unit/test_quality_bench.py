@@ -285,6 +285,24 @@ def test_a_row_may_set_its_pull_fraction_apart_from_twice_the_push() -> None:
     assert len({cache_key(r.setup(), r.variant()) for r in (default, apart)}) == 2
 
 
+def test_a_row_may_set_its_outer_momentum_with_its_outer_lr() -> None:
+    row = quality.parse_row("sparse-2bit:5:0.015625:2.25/0.5:inmodel")
+    assert row == Row("sparse-2bit", h=5, topk=0.015625, outer_lr=2.25, outer_momentum=0.5,
+                      feedback_in_model=True)  # fmt: skip
+    assert (row.variant().outer_lr, row.variant().outer_momentum) == (2.25, 0.5)
+    assert " outer lr 2.25 momentum 0.5 " in row.method
+    # Without one, the recipe's momentum: none for a sparse codec, DiLoCo's 0.9 for fp4.
+    assert quality.parse_row("sparse-2bit:5:0.015625:2.25").variant().outer_momentum == 0.0
+    assert quality.parse_row("fp4:5:0:0.125").variant().outer_momentum == 0.9
+    assert quality.parse_row("fp4:5:0:0.125/0.8").variant().outer_momentum == 0.8
+    plain = Row("sparse-2bit", h=5, topk=1 / 64, outer_lr=2.25)
+    light = replace(row, feedback_in_model=False)
+    assert len({cache_key(r.setup(), r.variant()) for r in (plain, light)}) == 2
+    for bad in ("fp4:5:0:/0.5", "fp4:5:0:0.1/1", "fp4:5:0:0.1/-0.1", "fp4:5:0:0.1/nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match="outer momentum needs"):
+            quality.parse_row(bad)
+
+
 def test_sparse_is_judged_against_the_best_fp4_row_of_its_h() -> None:
     entries = [
         {**a, **b}
