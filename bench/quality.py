@@ -52,8 +52,8 @@ ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[/momentum][:inmodel]]]"
 
 
 def parse_row(text: str) -> Row:
-    """A --rows entry: codec:H[:topk[:outer_lr[:inmodel]]] (fp4:50, sparse-fp4:20:0.015625,
-    fp4:5:0:0.35, sparse-2bit:5:0.015625::inmodel); without an outer lr, the codec's recipe's;
+    """A --rows entry, ROW_FORMAT (fp4:50, sparse-fp4:20:0.015625, fp4:5:0:0.35,
+    sparse-2bit:5:0.015625::inmodel); without an outer lr, the codec's recipe's;
     topk as push/pull (0.015625/0.046875) sets the pull's fraction too (else twice the
     push's), the outer lr as lr/momentum (2.25/0.5) the outer Nesterov's momentum (else the
     recipe's); `inmodel`: sparse pushes keep their residual in the local model too (the
