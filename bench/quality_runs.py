@@ -107,13 +107,17 @@ class Row:
                 **SPARSE_OUTER,
                 server={"pull_topk_fraction": pull},
             )
-        if self.outer_lr is not None:
-            variant = replace(variant, outer_lr=self.outer_lr)
-        if self.outer_momentum is not None:
-            variant = replace(variant, outer_momentum=self.outer_momentum)
-        if self.feedback_decay is not None:
-            variant = replace(variant, push_feedback_decay=self.feedback_decay)
-        variant = replace(variant, push_feedback_in_model=self.feedback_in_model)
+        # The row's own settings where it sets them; the recipe's (above) where it leaves None.
+        own = {
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "push_feedback_decay": self.feedback_decay,
+        }
+        variant = replace(
+            variant,
+            push_feedback_in_model=self.feedback_in_model,
+            **{name: value for name, value in own.items() if value is not None},
+        )
         if self.state_dtype != "float32":
             server = {**variant.server, "outer_state_dtype": self.state_dtype}
             variant = replace(variant, server=server)
