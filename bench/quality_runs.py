@@ -6,7 +6,8 @@ Every DiLoCo row is Streaming DiLoCo with the daemons' best recipe (P = 4 stride
 twice the push's top-k fraction unless a row sets its own, and the learners' decayed
 error-feedback residual, apart from their local models unless a row keeps it there); rows
 differ only in the codec both ways, its top-k fractions (sparse codecs), H, the inner
-learning rate, the outer step's lr and momentum (sweeps), the step count and the seed. Runs
+learning rate, the outer step's lr and momentum, the residual's decay and the merge α
+(sweeps), the step count and the seed. Runs
 are deterministic (the same row gives the same numbers on the same machine), so finished
 runs are kept in a cache file keyed by the full setup and variant and reused by
 bench/quality.py and bench/quality_sweep.py.
@@ -54,6 +55,7 @@ class Row:
     outer_momentum: float | None = None  # the outer Nesterov's momentum; None: the recipe's
     feedback_decay: float | None = None  # sparse pushes' residual decay; None: the default
     feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL  # residual kept in the local model too
+    merge_alpha: float | None = None  # the local fragment's merge weight; None: MERGE_ALPHA
     state_dtype: str = "float32"  # the server's outer_state_dtype
 
     @property
@@ -67,6 +69,8 @@ class Row:
         if self.outer_momentum is not None:
             outer += f" momentum {self.outer_momentum:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
+        if self.merge_alpha is not None:
+            decay += f" alpha {self.merge_alpha:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
         sparse = is_sparse(WIRE.get(self.codec, ""))
         kept = " residual in model" if self.feedback_in_model and sparse else ""
@@ -112,6 +116,7 @@ class Row:
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
             "push_feedback_decay": self.feedback_decay,
+            "merge_alpha": self.merge_alpha,
         }
         variant = replace(
             variant,

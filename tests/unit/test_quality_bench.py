@@ -27,6 +27,18 @@ def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:
     assert quality_runs.cache_key(swept.setup(), swept.variant()) != key
 
 
+def test_a_row_may_set_the_merge_alpha_and_the_recipes_value_keeps_the_cached_key() -> None:
+    default = Row("sparse-2bit", h=5, topk=1 / 64, feedback_in_model=True)
+    zero = replace(default, merge_alpha=0.0)
+    assert zero.variant().merge_alpha == 0.0
+    assert default.variant().merge_alpha == quality_runs.MERGE_ALPHA
+    assert zero.method == default.method.replace(" residual", " alpha 0 residual")
+    key = quality_runs.cache_key
+    same = replace(default, merge_alpha=quality_runs.MERGE_ALPHA)
+    assert key(same.setup(), same.variant()) == key(default.setup(), default.variant())
+    assert key(zero.setup(), zero.variant()) != key(default.setup(), default.variant())
+
+
 def test_the_residual_rule_is_part_of_a_sparse_rows_key_and_absent_from_a_dense_rows() -> None:
     """Kept in the model is its own run; apart (the default), the key has no such setting, so
     a cache whose sparse runs carry no such setting holds apart runs."""
