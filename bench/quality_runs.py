@@ -69,12 +69,11 @@ class Row:
         if self.outer_momentum is not None:
             outer += f" momentum {self.outer_momentum:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
-        if self.merge_alpha is not None:
-            decay += f" alpha {self.merge_alpha:g}"
+        alpha = "" if self.merge_alpha is None else f" alpha {self.merge_alpha:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
         sparse = is_sparse(WIRE.get(self.codec, ""))
         kept = " residual in model" if self.feedback_in_model and sparse else ""
-        return f"{self.codec}{k}{pull} H={self.h} lr {self.lr:g}{outer}{decay}{kept}{state}"
+        return f"{self.codec}{k}{pull} H={self.h} lr {self.lr:g}{outer}{decay}{alpha}{kept}{state}"
 
     def setup(self, quick: bool = False, **kw) -> Setup:
         """The run's Setup; `kw` sets more of its fields (n_embd, device, lr_schedule)."""
