@@ -11,7 +11,12 @@ run of the same seed over --dp-lr at the same step. Prints each row's gap (mean 
 the seeds), its bytes ratio vs that data-parallel run, and per step count the best bytes
 ratio at a mean gap <= 1% and <= 3% (the goal: >= 1,000x at <= 1%). Trains nothing: a run
 missing from the cache is named, with the exit status 1. Writes the table into
-bench/results/quality_sweep.json under `goal`.
+bench/results/quality_sweep.json under `goal` (`goal_cosine` for --lr-schedule cosine).
+
+With --lr-schedule cosine the runs are those trained with the inner cosine schedule, and a
+step count is read from the run of exactly that length, or from the run of --run-steps steps
+(then a mid-schedule point, not what a run of that length reaches): the first S steps of a
+longer cosine run are not an S-step run.
 """
 
 from __future__ import annotations
@@ -35,11 +40,13 @@ def run_lengths(stored: dict) -> list[int]:
     return sorted({json.loads(key)["setup"]["steps"] for key in stored})
 
 
-def shortest_run(stored: dict, lengths: list[int], row: Row, at: int) -> tuple[Row, dict] | None:
+def shortest_run(
+    stored: dict, lengths: list[int], row: Row, at: int, **setup_kw
+) -> tuple[Row, dict] | None:
     """The cached run with `row`'s settings and the fewest steps >= `at` (of `lengths`)."""
     for steps in (s for s in lengths if s >= at):
         run = replace(row, steps=steps)
-        hit = stored.get(cache_key(run.setup(), run.variant()))
+        hit = stored.get(cache_key(run.setup(**setup_kw), run.variant()))
         if hit is not None:
             return run, hit
     return None
@@ -60,16 +67,29 @@ def bytes_per_step(run: Row, result: dict) -> float:
 
 
 def judge(
-    stored: dict, rows: list[Row], dp_lrs: list[float], seeds: list[int], at: int
+    stored: dict,
+    rows: list[Row],
+    dp_lrs: list[float],
+    seeds: list[int],
+    at: int,
+    lr_schedule: str = "constant",
+    run_steps: int | None = None,
 ) -> tuple[list[dict], list[str]]:
-    """Each row's entry at step `at` over `seeds`, and the runs the cache lacks."""
+    """Each row's entry at step `at` over `seeds`, and the runs the cache lacks. Read from
+    the shortest run reaching `at`, or only from runs of `run_steps` steps when given (and,
+    with a cosine schedule, only from runs of `at` steps when not)."""
+    if lr_schedule != "constant" and run_steps is None:
+        run_steps = at
+    if run_steps is not None and run_steps < at:
+        raise ValueError(f"a run of {run_steps} steps has no eval at {at}")
     missing: list[str] = []
-    lengths = run_lengths(stored)
+    lengths = run_lengths(stored) if run_steps is None else [run_steps]
+    reach = f">= {at}" if run_steps is None else f"{run_steps}"
 
     def find(row: Row) -> tuple[Row, dict] | None:
-        found = shortest_run(stored, lengths, row, at)
+        found = shortest_run(stored, lengths, row, at, lr_schedule=lr_schedule)
         if found is None:
-            missing.append(f"{row.method} seed {row.seed}, >= {at} steps")
+            missing.append(f"{row.method} seed {row.seed}, {reach} steps, {lr_schedule} lr")
         return found
 
     best_dp: dict[int, tuple[float, Row, dict]] = {}
@@ -130,6 +150,15 @@ def main() -> int:
         help="data-parallel's lrs (each seed's best at each step count is the baseline)",
     )  # fmt: skip
     parser.add_argument("--inner-lr", type=float, default=2e-3, help="the learners' lr")
+    parser.add_argument(
+        "--lr-schedule", choices=["constant", "cosine"], default="constant",
+        help="judge the runs trained with this inner schedule (bench/quality_runs.py's option)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--run-steps", type=int,
+        help="read every --at from runs of this many steps (default: constant lr, the "
+        "shortest run that reaches it; cosine, the run of exactly that many steps)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cache", default="quality_runs.json", help="file of runs, in --out")
     args = parser.parse_args()
@@ -137,7 +166,9 @@ def main() -> int:
     rows = [replace(row, lr=args.inner_lr) for row in args.rows]
     table, checks, missing = [], [], []
     for at in args.at:
-        entries, lacking = judge(stored, rows, args.dp_lr, args.seeds, at)
+        entries, lacking = judge(
+            stored, rows, args.dp_lr, args.seeds, at, args.lr_schedule, args.run_steps
+        )
         missing += lacking
         table += entries
         for e in entries:
@@ -156,7 +187,15 @@ def main() -> int:
         return 1
     path = args.out / "quality_sweep.json"
     report = json.loads(path.read_text()) if path.exists() else {}
-    report["goal"] = {"seeds": args.seeds, "dp_lrs": args.dp_lr, "rows": table, "checks": checks}
+    key = "goal" if args.lr_schedule == "constant" else f"goal_{args.lr_schedule}"
+    report[key] = {
+        "seeds": args.seeds,
+        "dp_lrs": args.dp_lr,
+        "lr_schedule": args.lr_schedule,
+        "run_steps": args.run_steps,
+        "rows": table,
+        "checks": checks,
+    }
     path.write_text(json.dumps(report, indent=1))
     print(f"wrote {path}")
     return 0

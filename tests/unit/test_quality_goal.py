@@ -14,12 +14,14 @@ from bench.quality_runs import Row, cache_key
 TOKENS_PER_STEP = 16 * 4 * 128  # Setup's batch_size * learners * block_size
 
 
-def cached(stored: dict, row: Row, losses: dict[int, float], bytes_per_step: float) -> None:
+def cached(
+    stored: dict, row: Row, losses: dict[int, float], bytes_per_step: float, **setup_kw
+) -> None:
     """Put a run of `row` in `stored`: eval loss `losses[step]` at each of those steps."""
     curve = [(0, 5.0)] + [(s * TOKENS_PER_STEP, loss) for s, loss in sorted(losses.items())]
     result = {"variant": {}, "eval_loss": curve[-1][1], "curve": curve,
               "bytes_per_learner": int(bytes_per_step * row.steps)}  # fmt: skip
-    stored[cache_key(row.setup(), row.variant())] = result
+    stored[cache_key(row.setup(**setup_kw), row.variant())] = result
 
 
 def test_each_seed_is_read_from_its_shortest_run_that_reaches_the_step() -> None:
@@ -56,11 +58,30 @@ def test_a_missing_run_is_named_and_its_row_left_out() -> None:
     entries, missing = judge(stored, [Row("fp4", h=20, lr=2e-3)], [2e-3], [0, 1], 1000)
     assert entries == []  # a mean over fewer seeds than asked is not reported
     assert missing == [
-        "data-parallel lr 0.002 seed 1, >= 1000 steps",
-        "fp4 H=20 lr 0.002 seed 1, >= 1000 steps",
+        "data-parallel lr 0.002 seed 1, >= 1000 steps, constant lr",
+        "fp4 H=20 lr 0.002 seed 1, >= 1000 steps, constant lr",
     ]
     with pytest.raises(ValueError, match="no eval at 500"):
         judge(stored, [Row("fp4", h=20, lr=2e-3)], [2e-3], [0], 500)
+
+
+def test_cosine_runs_are_read_at_their_own_length_or_at_the_run_steps_asked() -> None:
+    stored: dict = {}
+    for steps, losses in ((3000, {3000: 1.0}), (5000, {3000: 1.4, 5000: 0.8})):
+        cached(stored, Row("dp", lr=2e-3, steps=steps), losses, 10.0, lr_schedule="cosine")
+    cached(stored, Row("fp4", h=5, lr=2e-3, steps=5000), {3000: 1.54, 5000: 0.84}, 1.0,
+           lr_schedule="cosine")  # fmt: skip
+    cached(stored, Row("fp4", h=5, lr=2e-3, steps=3000), {3000: 9.0}, 1.0)  # constant lr
+    fp4 = [Row("fp4", h=5, lr=2e-3)]
+    # at 3,000 steps: the 5,000-step cosine run is mid-schedule, the constant-lr run is another
+    entries, missing = judge(stored, fp4, [2e-3], [0], 3000, "cosine")
+    assert entries == [] and missing == ["fp4 H=5 lr 0.002 seed 0, 3000 steps, cosine lr"]
+    (mid,), _ = judge(stored, fp4, [2e-3], [0], 3000, "cosine", run_steps=5000)
+    assert mid["eval_losses"] == [1.54] and mid["gap_vs_dp"] == pytest.approx(0.1)
+    (end,), _ = judge(stored, fp4, [2e-3], [0], 5000, "cosine")
+    assert end["gap_vs_dp"] == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="3000 steps has no eval at 5000"):
+        judge(stored, fp4, [2e-3], [0], 5000, "cosine", run_steps=3000)
 
 
 def test_the_command_exits_1_naming_what_to_train(tmp_path, monkeypatch, capsys) -> None:
@@ -78,3 +99,14 @@ def test_the_command_exits_1_naming_what_to_train(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(sys, "argv", [*argv[:4], "0", "1", *argv[5:]])
     assert quality_goal.main() == 1
     assert "seed 1, >= 1000 steps" in capsys.readouterr().out
+    cosine = [*argv, "--lr-schedule", "cosine"]
+    monkeypatch.setattr(sys, "argv", cosine)
+    assert quality_goal.main() == 1  # only constant-lr runs are cached
+    assert "seed 0, 1000 steps, cosine lr" in capsys.readouterr().out
+    cached(stored, Row("dp", lr=2e-3, steps=1000), {1000: 1.0}, 1500.0, lr_schedule="cosine")
+    cached(stored, Row("fp4", h=20, lr=2e-3, steps=1000), {1000: 1.02}, 1.0, lr_schedule="cosine")
+    (tmp_path / "quality_runs.json").write_text(json.dumps(stored))
+    assert quality_goal.main() == 0
+    report = json.loads((tmp_path / "quality_sweep.json").read_text())
+    assert report["goal_cosine"]["rows"][0]["gap_vs_dp"] == pytest.approx(0.02)
+    assert report["goal"]["seeds"] == [0]  # the constant-lr table is kept
