@@ -11,12 +11,12 @@ that run at the same speed.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from common.lr_schedule import LrSchedule
 from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_FEEDBACK_IN_MODEL
 from common.wire import decode_fragment
 from learner.data import BatchSampler, load_corpus
@@ -172,16 +172,8 @@ def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
 
 def lr_factor(setup: Setup, step: int) -> float:
     """The inner learning rate at `step` (1-based, counted over the whole run) / inner_lr."""
-    if setup.lr_schedule == "constant":
-        return 1.0
-    if setup.lr_schedule != "cosine":
-        raise ValueError(f"lr_schedule must be 'constant' or 'cosine', got {setup.lr_schedule!r}")
-    warmup = max(1, round(setup.warmup_fraction * setup.steps))
-    if step <= warmup:
-        return step / warmup
-    progress = min(1.0, (step - warmup) / max(1, setup.steps - warmup))
-    cosine = 0.5 * (1 + math.cos(math.pi * progress))
-    return setup.min_lr_ratio + (1 - setup.min_lr_ratio) * cosine
+    schedule = LrSchedule(setup.lr_schedule, setup.steps, setup.warmup_fraction, setup.min_lr_ratio)
+    return schedule.factor(step)
 
 
 def data_seed(setup: Setup) -> int:

@@ -24,6 +24,7 @@ import torch
 
 from common.codec import CODECS
 from common.config import address_list
+from common.lr_schedule import LrSchedule
 from common.metrics_http import check_listen
 from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_FEEDBACK_IN_MODEL, DEFAULT_TOPK_FRACTION
 from learner.model import GPTConfig
@@ -193,13 +194,30 @@ class TrainingConfig:
     """Stop at the first outer step after this many seconds (0: no limit)."""
     eval_batches: int = 8
     """Validation batches evaluated after every outer step."""
+    lr_schedule: str = "constant"
+    """The inner learning rate over the run: `constant`, or `cosine`: a linear warm-up over
+    lr_warmup_fraction of lr_schedule_steps, then a cosine decay to lr_min_ratio of inner_lr
+    at lr_schedule_steps, held there after."""
+    lr_schedule_steps: int = 0
+    """Inner steps of this learner that a cosine schedule spans (counted across restarts
+    from its checkpoint); e.g. the run's planned max_outer_steps times sync_every_steps."""
+    lr_warmup_fraction: float = 0.05
+    """Of lr_schedule_steps, the fraction spent warming up (cosine only)."""
+    lr_min_ratio: float = 0.1
+    """Where the cosine ends, as a fraction of inner_lr."""
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "eval_batches", "learners_per_host")
-        _at_least(self, 0, "max_outer_steps", "duration_s", "torch_threads")
+        _at_least(self, 0, "max_outer_steps", "duration_s", "torch_threads", "lr_schedule_steps")
         if not self.inner_lr > 0:
             raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")
+        self.inner_lr_schedule()  # fails here for a bad schedule
         resolve_device(self.device)  # fails here, in one sentence, for a bad or absent device
+
+    def inner_lr_schedule(self) -> LrSchedule:
+        return LrSchedule(
+            self.lr_schedule, self.lr_schedule_steps, self.lr_warmup_fraction, self.lr_min_ratio
+        )
 
 
 @dataclass(kw_only=True)

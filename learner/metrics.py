@@ -57,6 +57,11 @@ class _LearnerCollector(Collector):
         yield GaugeMetricFamily(
             "diloco_learner_train_loss", "Loss of the last inner step.", value=p.last_loss
         )
+        yield GaugeMetricFamily(
+            "diloco_learner_inner_lr",
+            "Inner learning rate of the last step (NaN where the training loop is the user's).",
+            value=p.inner_lr,
+        )
         last_eval = p.eval_losses[-1] if p.eval_losses else float("nan")
         yield GaugeMetricFamily(
             "diloco_learner_eval_loss",

@@ -40,6 +40,7 @@ class Progress:
     bytes_by_fragment: dict[int, dict[str, int]] = dataclasses.field(default_factory=dict)
     params_crc32: list[int] = dataclasses.field(default_factory=list)  # per fragment
     last_loss: float = math.nan
+    inner_lr: float = math.nan  # of the last inner step, where the daemon's loop took it
     resumed_at_inner_step: int | None = None  # from a checkpoint; None: a cold start
     data_position: int = 0  # windows drawn from this rank's data shard so far
     island_size: int = 1  # ranks training data-parallel as this one learner

@@ -120,6 +120,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=training.inner_lr, weight_decay=training.weight_decay
         )
+        self._lr_schedule = training.inner_lr_schedule()
+        self._steps_taken = 0  # inner steps of this rank, a checkpoint's included
         self._simulated_speed = SimulatedSpeed(config.simulation)
         tokens_per_step = data.batch_size * model_cfg.block_size * island.world_size
         self.sync = (
@@ -190,6 +192,13 @@ class Learner:
         _, loss = self.train_model(x, y)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()  # on an island, DDP averages the gradients of all ranks here
+        # Every rank counts its own steps: it starts from the checkpoint's count, as rank 0's
+        # progress does, and the island's ranks step together.
+        self._steps_taken += 1
+        lr = self.config.training.inner_lr * self._lr_schedule.factor(self._steps_taken)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.progress.inner_lr = lr
         self.optimizer.step()
         loss_value = loss.item()
         idle_s = self._simulated_speed.idle_s(time.perf_counter() - t0)
@@ -266,6 +275,7 @@ class Learner:
         for name in PROGRESS_FIELDS:
             setattr(self.progress, name, shared["progress"][name])
         self.progress.resumed_at_inner_step = self.progress.inner_steps
+        self._steps_taken = self.progress.inner_steps
         if state is not None and self.sync is not None:
             self.model.load_state_dict(state["model"])
             self.sync.load_state_dict(

@@ -35,6 +35,7 @@ def run(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedPro
         ("learner.main", ["--corpus", "/no/such/folder"], "corpus folder /no/such/folder"),
         ("learner.main", ["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
         ("learner.main", ["--server", "a:1,b"], "server must be host:port, got 'b'"),
+        ("learner.main", ["--lr-schedule", "cosine"], "lr_schedule_steps must be >= 1"),
         ("server.main", ["--shard-count", "2", "--shard-index", "2"], "shard_index must be in"),
         ("server.main", ["--shard-count", "3", "--fragments", "2"], "must not exceed fragments"),
         ("deploy.status", ["--server", "nowhere"], "server must be host:port"),

@@ -1,14 +1,24 @@
-"""A learner killed with SIGKILL resumes from its checkpoint: step count and data position."""
+"""A learner killed with SIGKILL resumes from its checkpoint: step count, data position and
+its place in the inner learning-rate schedule."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
+from common.lr_schedule import LrSchedule
 from common.retry import wait_until
 from learner.checkpoint import load_checkpoint
 from tests.support.processes import learner_log
 
 BATCH_SIZE = 4  # TINY_LEARNER_FLAGS
+INNER_LR = 2e-3
+# A cosine over 40 inner steps (10 of warm-up): its rate at the resumed step differs from
+# the rate at the same number of steps counted from zero.
+SCHEDULE = LrSchedule("cosine", steps=40, warmup_fraction=0.25)
+SCHEDULE_FLAGS = ["--inner-lr", str(INNER_LR), "--lr-schedule", "cosine"]
+SCHEDULE_FLAGS += ["--lr-schedule-steps", "40", "--lr-warmup-fraction", "0.25"]
 
 
 def test_a_killed_learner_resumes_its_steps_and_data_position(
@@ -22,7 +32,7 @@ def test_a_killed_learner_resumes_its_steps_and_data_position(
     ckpt = tmp_path / "ckpt"
     flags = ["--corpus", str(corpus), "--checkpoint-dir", str(ckpt)]
     flags += ["--checkpoint-every-steps", "3"]
-    flags += ["--checkpoint-every-s", "0"]
+    flags += ["--checkpoint-every-s", "0", *SCHEDULE_FLAGS]
     first = start_learner(service.port, "first", "--learner-id", "r", *flags)
 
     def trained_12_steps() -> bool:
@@ -38,6 +48,8 @@ def test_a_killed_learner_resumes_its_steps_and_data_position(
     steps, outer = saved["progress"]["inner_steps"], saved["progress"]["outer_steps"]
     position = saved["data"]["position"]
     assert steps >= 12 and outer >= 2 and position == steps * BATCH_SIZE
+    saved_lr = saved["optimizer"]["param_groups"][0]["lr"]
+    assert saved_lr == pytest.approx(INNER_LR * SCHEDULE.factor(steps))
 
     second = start_learner(
         service.port,
@@ -55,6 +67,9 @@ def test_a_killed_learner_resumes_its_steps_and_data_position(
     assert summary["resumed_at_inner_step"] == steps
     assert summary["outer_steps"] == outer + 2
     new_steps = summary["inner_steps"] - steps
+    # The schedule goes on from the checkpoint's step count, not from the restart.
+    assert summary["inner_lr"] == pytest.approx(INNER_LR * SCHEDULE.factor(summary["inner_steps"]))
+    assert summary["inner_lr"] != pytest.approx(INNER_LR * SCHEDULE.factor(new_steps))
     assert 0 < new_steps <= 2 * 5 + 5  # two outer steps of H = 5, from the server's phase
     # Not a cold start: the data position carries on from the checkpoint's.
     assert summary["data_position"] == position + new_steps * BATCH_SIZE

@@ -118,7 +118,9 @@ def learner_exposition() -> str:
     from learner.streaming import SyncStats
 
     sync = SimpleNamespace(
-        progress=Progress(learner_id="a", inner_steps=5, tokens=640, eval_losses=[4.0, 3.5]),
+        progress=Progress(
+            learner_id="a", inner_steps=5, tokens=640, eval_losses=[4.0, 3.5], inner_lr=2.5e-4
+        ),
         stats=SyncStats(blocked_s=1.5),
         traffic=Traffic(),
         versions=[3],
@@ -136,6 +138,7 @@ def test_learner_metrics_read_its_state() -> None:
     assert 'diloco_learner_replica_staleness_versions{fragment="0"} 2.0' in text
     assert 'diloco_learner_info{learner_id="a"} 1.0' in text
     assert "diloco_learner_shards_away 1.0" in text
+    assert "diloco_learner_inner_lr 0.00025" in text
 
 
 def test_dashboard_uses_only_metrics_the_code_exports() -> None:
