@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.quality import ROW_FORMAT, best_ratio_text, mean_std, parse_row, pm  # noqa: E402
 from bench.quality_runs import Row, cache_key  # noqa: E402
+from common.lr_schedule import LR_SCHEDULES  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -151,7 +152,7 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--inner-lr", type=float, default=2e-3, help="the learners' lr")
     parser.add_argument(
-        "--lr-schedule", choices=["constant", "cosine"], default="constant",
+        "--lr-schedule", choices=LR_SCHEDULES, default="constant",
         help="judge the runs trained with this inner schedule (bench/quality_runs.py's option)",
     )  # fmt: skip
     parser.add_argument(
@@ -162,6 +163,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--cache", default="quality_runs.json", help="file of runs, in --out")
     args = parser.parse_args()
+    if args.run_steps is not None and args.run_steps < max(args.at):
+        parser.error(f"--run-steps {args.run_steps} is shorter than --at {max(args.at)}")
     stored = json.loads((args.out / args.cache).read_text())
     rows = [replace(row, lr=args.inner_lr) for row in args.rows]
     table, checks, missing = [], [], []

@@ -172,7 +172,12 @@ def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> fl
 
 def lr_factor(setup: Setup, step: int) -> float:
     """The inner learning rate at `step` (1-based, counted over the whole run) / inner_lr."""
-    schedule = LrSchedule(setup.lr_schedule, setup.steps, setup.warmup_fraction, setup.min_lr_ratio)
+    schedule = LrSchedule(
+        setup.lr_schedule,
+        steps=setup.steps,
+        warmup_fraction=setup.warmup_fraction,
+        min_lr_ratio=setup.min_lr_ratio,
+    )
     return schedule.factor(step)
 
 

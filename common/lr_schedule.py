@@ -10,7 +10,7 @@ simulation (bench/simulate.py), so that the schedule measured is the schedule us
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -21,6 +21,7 @@ class LrSchedule:
     learner's settings (lr_schedule, lr_schedule_steps, lr_warmup_fraction, lr_min_ratio)."""
 
     kind: str = "constant"
+    _: KW_ONLY  # two floats side by side: named at every call, never swapped
     steps: int = 0
     """Inner steps the warm-up and the decay span; after them the factor stays at
     min_lr_ratio. Only a cosine schedule needs it."""

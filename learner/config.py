@@ -199,8 +199,11 @@ class TrainingConfig:
     lr_warmup_fraction of lr_schedule_steps, then a cosine decay to lr_min_ratio of inner_lr
     at lr_schedule_steps, held there after."""
     lr_schedule_steps: int = 0
-    """Inner steps of this learner that a cosine schedule spans (counted across restarts
-    from its checkpoint); e.g. the run's planned max_outer_steps times sync_every_steps."""
+    """Inner steps of this learner that a cosine schedule spans, e.g. about its planned
+    max_outer_steps times sync_every_steps (its first outer step may be shorter: it joins at
+    the server's phase). Counted per learner from its own first step, across restarts from
+    its checkpoint: a learner that joins late, or without its checkpoint, starts the schedule
+    again at its warm-up."""
     lr_warmup_fraction: float = 0.05
     """Of lr_schedule_steps, the fraction spent warming up (cosine only)."""
     lr_min_ratio: float = 0.1
@@ -215,8 +218,12 @@ class TrainingConfig:
         resolve_device(self.device)  # fails here, in one sentence, for a bad or absent device
 
     def inner_lr_schedule(self) -> LrSchedule:
+        """The factor on inner_lr per inner step, from the lr_* settings."""
         return LrSchedule(
-            self.lr_schedule, self.lr_schedule_steps, self.lr_warmup_fraction, self.lr_min_ratio
+            self.lr_schedule,
+            steps=self.lr_schedule_steps,
+            warmup_fraction=self.lr_warmup_fraction,
+            min_lr_ratio=self.lr_min_ratio,
         )
 
 

@@ -110,3 +110,8 @@ def test_the_command_exits_1_naming_what_to_train(tmp_path, monkeypatch, capsys)
     report = json.loads((tmp_path / "quality_sweep.json").read_text())
     assert report["goal_cosine"]["rows"][0]["gap_vs_dp"] == pytest.approx(0.02)
     assert report["goal"]["seeds"] == [0]  # the constant-lr table is kept
+    monkeypatch.setattr(sys, "argv", [*cosine, "--run-steps", "500"])
+    with pytest.raises(SystemExit) as exit_:
+        quality_goal.main()
+    assert exit_.value.code == 2
+    assert "--run-steps 500 is shorter than --at 1000" in capsys.readouterr().err
