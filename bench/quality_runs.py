@@ -40,6 +40,17 @@ MERGE_ALPHA = 0.05  # Streaming's merge weight of the local fragment (docs/RESUL
 FRAGMENTS = 4
 
 
+REAL_FIELDS = (  # the Row settings that are real numbers
+    "topk",
+    "pull_topk",
+    "lr",
+    "outer_lr",
+    "outer_momentum",
+    "feedback_decay",
+    "merge_alpha",
+)
+
+
 @dataclass(frozen=True)
 class Row:
     """One training run. codec "dp" is data-parallel (lr is then its learning rate)."""
@@ -57,6 +68,14 @@ class Row:
     feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL  # residual kept in the local model too
     merge_alpha: float | None = None  # the local fragment's merge weight; None: MERGE_ALPHA
     state_dtype: str = "float32"  # the server's outer_state_dtype
+
+    def __post_init__(self) -> None:
+        # A run's cache key is its settings' JSON, where 3 and 3.0 differ: store every real
+        # setting as a float so that Row(outer_lr=3) finds the run Row(outer_lr=3.0) made.
+        for name in REAL_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, float(value))
 
     @property
     def method(self) -> str:

@@ -27,6 +27,16 @@ def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:
     assert quality_runs.cache_key(swept.setup(), swept.variant()) != key
 
 
+def test_a_whole_number_setting_finds_the_run_its_float_made() -> None:
+    """A cache key is JSON, where 3 and 3.0 differ: a row keys its real settings as floats."""
+    whole = Row("sparse-2bit", h=5, topk=1, lr=1, outer_lr=3, outer_momentum=0, merge_alpha=0)
+    real = replace(whole, topk=1.0, lr=1.0, outer_lr=3.0, outer_momentum=0.0, merge_alpha=0.0)
+    key = quality_runs.cache_key
+    assert key(whole.setup(), whole.variant()) == key(real.setup(), real.variant())
+    assert whole == real and whole.method == real.method
+    assert Row("fp4", h=5).outer_lr is None  # unset stays unset: the recipe's value
+
+
 def test_a_row_may_set_the_merge_alpha_and_the_recipes_value_keeps_the_cached_key() -> None:
     default = Row("sparse-2bit", h=5, topk=1 / 64, feedback_in_model=True)
     zero = replace(default, merge_alpha=0.0)
