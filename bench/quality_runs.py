@@ -20,7 +20,7 @@ import json
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from bench.simulate import Result, Setup, Variant, run_variant
@@ -38,17 +38,6 @@ WIRE = {
 WARMUP_ROUNDS = 20  # outer momentum warm-up (docs/RESULTS.md, "The outer momentum warm-up")
 MERGE_ALPHA = 0.05  # Streaming's merge weight of the local fragment (docs/RESULTS.md)
 FRAGMENTS = 4
-
-
-REAL_FIELDS = (  # the Row settings that are real numbers
-    "topk",
-    "pull_topk",
-    "lr",
-    "outer_lr",
-    "outer_momentum",
-    "feedback_decay",
-    "merge_alpha",
-)
 
 
 @dataclass(frozen=True)
@@ -70,12 +59,12 @@ class Row:
     state_dtype: str = "float32"  # the server's outer_state_dtype
 
     def __post_init__(self) -> None:
-        # A run's cache key is its settings' JSON, where 3 and 3.0 differ: store every real
-        # setting as a float so that Row(outer_lr=3) finds the run Row(outer_lr=3.0) made.
-        for name in REAL_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, float(value))
+        # A run's cache key is its settings' JSON, where 3 and 3.0 differ: store every setting
+        # typed float as a float so that Row(outer_lr=3) finds the run Row(outer_lr=3.0) made.
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if "float" in str(spec.type) and value is not None:
+                object.__setattr__(self, spec.name, float(value))
 
     @property
     def method(self) -> str:
