@@ -2,7 +2,7 @@
 
 Every DiLoCo row is Streaming DiLoCo with the daemons' best recipe (P = 4 strided fragments,
 τ = 1, merge α = 0.05, the outer Nesterov at lr 0.7 and momentum 0.9 warmed up from 0.5 over
-20 rounds; sparse codecs: server/config.py's SPARSE_OUTER step instead, pulls that keep
+20 rounds; sparse codecs: server/outer_config.py's SPARSE_OUTER step instead, pulls that keep
 twice the push's top-k fraction unless a row sets its own, and the learners' decayed
 error-feedback residual, apart from their local models unless a row keeps it there); rows
 differ only in the codec both ways, its top-k fractions (sparse codecs), H, the inner
@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.simulate import Result, Setup, Variant, run_variant
 from common.codec import is_sparse
 from common.sparse import DEFAULT_FEEDBACK_IN_MODEL, SPARSE_CHUNK, topk_k
-from server.config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
+from server.outer_config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
 
 # The wire codec names the rows use, and the common/codec.py codecs they send each way.
 WIRE = {
@@ -53,6 +53,8 @@ class Row:
     seed: int = 0
     outer_lr: float | None = None  # None: the recipe's (sweeps only)
     outer_momentum: float | None = None  # the outer Nesterov's momentum; None: the recipe's
+    # not 0: the outer lr times the inner cosine's factor to this power (over `steps`)
+    outer_lr_power: float = 0.0
     feedback_decay: float | None = None  # sparse pushes' residual decay; None: the default
     feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL  # residual kept in the local model too
     merge_alpha: float | None = None  # the local fragment's merge weight; None: MERGE_ALPHA
@@ -76,6 +78,8 @@ class Row:
         outer = "" if self.outer_lr is None else f" outer lr {self.outer_lr:g}"
         if self.outer_momentum is not None:
             outer += f" momentum {self.outer_momentum:g}"
+        if self.outer_lr_power:
+            outer += f" x cosine^{self.outer_lr_power:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
         alpha = "" if self.merge_alpha is None else f" alpha {self.merge_alpha:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
@@ -108,7 +112,7 @@ class Row:
         )
         if is_sparse(WIRE[self.codec]):
             # The daemons' defaults for sparse codecs: the outer step and, unless the row
-            # sets one, a pull that keeps twice the push's fraction (server/config.py: 1/32
+            # sets one, a pull that keeps twice the push's fraction (server/outer_config.py: 1/32
             # for 1/64); Variant's residual decay is the learner's default already.
             pull = self.pull_topk
             if pull is None:
@@ -133,6 +137,13 @@ class Row:
         if self.state_dtype != "float32":
             server = {**variant.server, "outer_state_dtype": self.state_dtype}
             variant = replace(variant, server=server)
+        if self.outer_lr_power:  # the learners' cosine spans `steps`: steps / H outer steps
+            schedule = {
+                "outer_lr_schedule": "cosine",
+                "outer_lr_schedule_rounds": max(1, self.steps // self.h),
+                "outer_lr_schedule_power": self.outer_lr_power,
+            }
+            variant = replace(variant, server={**variant.server, **schedule})
         return variant
 
 

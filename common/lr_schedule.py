@@ -45,11 +45,16 @@ class LrSchedule:
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"lr_min_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
+    @property
+    def warmup_steps(self) -> int:
+        """The steps the linear warm-up spans (cosine only)."""
+        return max(1, round(self.warmup_fraction * self.steps))
+
     def factor(self, step: int) -> float:
         """The learning rate at inner step `step` (from 1) over the full rate."""
         if self.kind == "constant":
             return 1.0
-        warmup = max(1, round(self.warmup_fraction * self.steps))
+        warmup = self.warmup_steps
         if step <= warmup:
             return step / warmup
         progress = min(1.0, (step - warmup) / max(1, self.steps - warmup))

@@ -15,7 +15,7 @@ The sender keeps a residual e per tensor, sends S(x + e) and keeps e ← (x + e)
 e)); the dropped entries and the rounding error join the next message. The learner does this
 for its pushes (fragment_with_feedback), decaying e by β before adding x (SparseLoCo's
 e ← β·e + x, learner --push-feedback-decay), which makes e the outer momentum: the server
-then takes plain averaged steps (server/config.py). The server does it for its pulls, a
+then takes plain averaged steps (server/outer_config.py). The server does it for its pulls, a
 chunk range at a time (server/fragment.py), applying exactly the decoded values it sends,
 so the replicas that learners rebuild from the updates are bit-identical to the server's.
 

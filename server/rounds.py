@@ -32,11 +32,12 @@ from typing import cast
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
-from server.config import OuterConfig, RoundsConfig
+from server.config import RoundsConfig
 from server.fragment import FragmentState, Round, RoundSummary
 from server.influence import capped_weight, trim_count, trimmed_mean_into
 from server.membership import Session
 from server.outer import DelayedNesterov, NesterovOuter
+from server.outer_config import OuterConfig
 from server.policy import contribution_weight, grace_window_s
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,9 @@ class RoundPolicy:
             warmup_rounds=cfg.outer_momentum_warmup_rounds,
             warmup_start=cfg.outer_momentum_warmup_start,
             state_dtype=cfg.outer_state_dtype,
+            lr_schedule=cfg.outer_lr_schedule,
+            lr_schedule_rounds=cfg.outer_lr_schedule_rounds,
+            lr_schedule_power=cfg.outer_lr_schedule_power,
         )
 
     def check_base(self, fragment: FragmentState, learner_id: str, base_version: int) -> None:

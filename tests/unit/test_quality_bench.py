@@ -12,7 +12,7 @@ from bench import quality, quality_runs
 from bench.quality_runs import Row, cache_key, run_rows
 from bench.simulate import Result
 from learner.config import SyncConfig
-from server.config import SPARSE_OUTER
+from server.outer_config import SPARSE_OUTER
 
 
 def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:
@@ -386,3 +386,19 @@ def test_threads_and_workers_must_be_whole_numbers_of_at_least_one() -> None:
     for bad in ("0", "-2", "two"):
         with pytest.raises(argparse.ArgumentTypeError, match="whole number >= 1"):
             quality_runs.positive_int(bad)
+
+
+def test_a_row_may_scale_its_outer_lr_by_a_power_of_the_inner_cosine() -> None:
+    row = quality.parse_row("sparse-2bit:5:0.015625:4.5^-0.25:inmodel")
+    assert row == Row("sparse-2bit", h=5, topk=0.015625, outer_lr=4.5, outer_lr_power=-0.25,
+                      feedback_in_model=True)  # fmt: skip
+    assert " outer lr 4.5 x cosine^-0.25 " in row.method
+    # The server follows the learners' cosine over each fragment's steps / H outer steps.
+    server = replace(row, steps=5000).variant().server
+    assert server["outer_lr_schedule"] == "cosine"
+    assert (server["outer_lr_schedule_rounds"], server["outer_lr_schedule_power"]) == (1000, -0.25)
+    # Without it the run keeps the key of every run cached before the setting.
+    assert replace(row, outer_lr_power=0.0).variant().server == {"pull_topk_fraction": 1 / 32}
+    for bad in ("fp4:5:0:^0.25", "fp4:5:0:0.35^2", "fp4:5:0:0.35^x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            quality.parse_row(bad)

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition
-from server.config import OuterConfig, RoundsConfig
+from server.config import RoundsConfig
 from server.fragment import FragmentState
 from server.ingest import DenseBody
 from server.membership import Session
 from server.outer import DelayedNesterov, NesterovOuter
+from server.outer_config import OuterConfig
 from server.policy import MODES
 from server.rounds import POLICIES, Async, Quorum, RoundPolicy, Sync, round_policy
 from tests.support.fakes import FakeClock
