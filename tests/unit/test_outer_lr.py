@@ -7,6 +7,7 @@ from common.lr_schedule import LrSchedule
 from server.config import aggregator_config
 from server.outer import NesterovOuter, snapshot_settings
 from server.outer_lr import outer_lr_factor
+from server.rounds import round_policy
 
 
 def test_a_constant_schedule_keeps_the_outer_lr() -> None:
@@ -81,3 +82,21 @@ def test_a_restored_optimizer_keeps_the_configs_schedule_and_export_replays_the_
 def test_bad_schedule_settings_name_what_to_fix(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         aggregator_config(**settings)
+
+
+@pytest.mark.parametrize("mode", ["sync", "quorum"])
+def test_the_servers_outer_optimizer_follows_the_configured_schedule(mode: str) -> None:
+    config = aggregator_config(
+        mode=mode,
+        outer_lr_schedule="cosine",
+        outer_lr_schedule_rounds=100,
+        outer_lr_schedule_power=-0.25,
+    )
+    outer = round_policy(config.rounds, config.outer, lambda: 0.0).new_outer()
+    assert (outer.lr_schedule, outer.lr_schedule_rounds, outer.lr_schedule_power) == (
+        "cosine",
+        100,
+        -0.25,
+    )
+    outer.steps_taken = 99  # the learners' last decay step: their floor, 0.1
+    assert outer.current_lr() == pytest.approx(config.outer.outer_lr * 0.1**-0.25)
