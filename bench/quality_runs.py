@@ -59,6 +59,7 @@ class Row:
     feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL  # residual kept in the local model too
     merge_alpha: float | None = None  # the local fragment's merge weight; None: MERGE_ALPHA
     state_dtype: str = "float32"  # the server's outer_state_dtype
+    sparse_mean: str = "learners"  # the server's sparse_mean (server/sparse_mean.py)
 
     def __post_init__(self) -> None:
         # A run's cache key is its settings' JSON, where 3 and 3.0 differ: store every setting
@@ -83,6 +84,8 @@ class Row:
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
         alpha = "" if self.merge_alpha is None else f" alpha {self.merge_alpha:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
+        if self.sparse_mean != "learners":
+            state += f" {self.sparse_mean} mean"
         sparse = is_sparse(WIRE.get(self.codec, ""))
         kept = " residual in model" if self.feedback_in_model and sparse else ""
         return f"{self.codec}{k}{pull} H={self.h} lr {self.lr:g}{outer}{decay}{alpha}{kept}{state}"
@@ -137,6 +140,8 @@ class Row:
         if self.state_dtype != "float32":
             server = {**variant.server, "outer_state_dtype": self.state_dtype}
             variant = replace(variant, server=server)
+        if self.sparse_mean != "learners":
+            variant = replace(variant, server={**variant.server, "sparse_mean": self.sparse_mean})
         if self.outer_lr_power:  # the learners' cosine spans `steps`: steps / H outer steps
             schedule = {
                 "outer_lr_schedule": "cosine",

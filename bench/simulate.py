@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from common.codec import is_sparse
 from common.lr_schedule import LrSchedule
 from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_FEEDBACK_IN_MODEL
 from common.wire import decode_fragment
@@ -25,6 +26,7 @@ from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSyn
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.global_params import ParamSpec
+from server.ingest import DenseBody
 
 
 @dataclass(kw_only=True)
@@ -112,10 +114,15 @@ class InProcessTransport:
     the tokens it claims by `token_factor`."""
 
     def __init__(
-        self, aggregator: Aggregator, session_id: str, scale: float = 1.0, token_factor: int = 1
+        self,
+        aggregator: Aggregator,
+        session_id: str,
+        scale: float = 1.0,
+        token_factor: int = 1,
+        sparse: bool = False,
     ) -> None:
         self.aggregator, self.session_id = aggregator, session_id
-        self.scale, self.token_factor = scale, token_factor
+        self.scale, self.token_factor, self.sparse = scale, token_factor, sparse
 
     def start_sync(
         self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
@@ -123,9 +130,9 @@ class InProcessTransport:
         shapes = self.aggregator.check_push(self.session_id, fragment_id, base_version)
         tensors = [t * self.scale for t in decode_fragment(payload, shapes)]
         tokens *= self.token_factor
-        self.aggregator.push(
-            self.session_id, fragment_id, base_version, tensors, tokens, inner_steps
-        )
+        # A sparse push's values count as sent where not zero (server/sparse_mean.py).
+        body = DenseBody(tensors, sparse=self.sparse)
+        self.aggregator.push(self.session_id, fragment_id, base_version, body, tokens, inner_steps)
         return fragment_id, base_version
 
     def ready(self, handle) -> bool:
@@ -297,6 +304,7 @@ def _run_diloco(setup, variant, model, train, eval_batches) -> Result:
                 session,
                 scale=1.0 if i < honest else variant.adversary_scale,
                 token_factor=factors[i],
+                sparse=is_sparse(variant.push_codec),
             ),
             variant.push_codec,
             variant.merge_alpha,

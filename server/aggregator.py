@@ -74,7 +74,9 @@ class Aggregator:
         self._cond = threading.Condition()
         self._members = Membership(config.membership, clock)
         self._rounds = round_policy(config.rounds, config.outer, clock)
-        self._params = GlobalParams(config.streaming, self._rounds.new_outer, config.sharding)
+        self._params = GlobalParams(
+            config.streaming, self._rounds.new_outer, config.sharding, config.outer.sparse_mean
+        )
         self._intake = PushIntake(self._members, self._params, self._rounds, self.events)
         identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
         self._persistence = Persistence(config.persistence, identity, self.events)
@@ -224,14 +226,14 @@ class Aggregator:
         session_id: str,
         fragment_id: int,
         base_version: int,
-        tensors: Sequence[torch.Tensor] | PushBody,
+        tensors: Sequence[torch.Tensor] | PushBody | DenseBody,
         tokens: int = 0,
         inner_steps: int = 0,
     ) -> int:
         """Add a pseudo-gradient (decoded, or a PushBody checked in its wire encoding outside
         the lock and decoded straight into the round's sum, server/ingest.py) to the open
         round; returns the version it helps produce (the learner waits for that one)."""
-        body = tensors if isinstance(tensors, PushBody) else DenseBody(tensors)
+        body = tensors if isinstance(tensors, (PushBody, DenseBody)) else DenseBody(tensors)
         adds, ticket, nothing_queued = None, None, False
         try:
             with self._cond:

@@ -10,7 +10,8 @@ torch.optim.SGD's and learners pull full snapshots.
 Memory (tests/unit/test_fragment_memory.py counts it): a fragment holds four fp32 copies
 of itself — parameters, outer momentum, error-feedback residual and the round's sum
 (reused from round to round) — three with fp32 pulls, one more in async mode (Delayed
-Nesterov's pending sum); plus the log of encoded updates, at most a snapshot's bytes. With
+Nesterov's pending sum) and with sparse_mean senders (the senders' weights), one fewer with
+no outer momentum; plus the log of encoded updates, at most a snapshot's bytes. With
 outer_state_dtype bfloat16 the momentum and the residual take half as much (three copies). The
 outer step works a chunk at a time; a snapshot is the parameters' bytes read in place, copied
 only if a pull still streams it when the next step changes them.
@@ -37,6 +38,7 @@ from server.outer import STATE_DTYPES, OuterOptimizer
 from server.pull_encoder import UpdateEncoder
 from server.pull_parts import TensorBytes, snapshot_parts
 from server.round_adds import AddTicket, OrderedAdds
+from server.sparse_mean import add_senders, divide_by_senders
 
 # Accepted fp4 pushes a round may hold back to add with the next one in a single pass over
 # its sum (server/ingest.py add_in_turn): a 16 M-value fragment's float32 sum is 64 MiB, which
@@ -71,6 +73,8 @@ class Round:
     # Batches of pushes to add to delta_sum outside the aggregator's lock, in order
     # (server/round_adds.py); anything that reads delta_sum runs them first (settle).
     adds: OrderedAdds = field(default_factory=OrderedAdds)
+    # With sparse_mean "senders": per value, Σ weight of the pushes that sent it.
+    senders: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,7 @@ class FragmentState:
         update_log_versions: int,
         update_log_fraction: float = 1.0,
         pull_sparse_k: int = DEFAULT_SPARSE_K,
+        sparse_mean: str = "learners",
     ) -> None:
         self.fragment_id = fragment_id
         self.param_indices = param_indices
@@ -140,6 +145,8 @@ class FragmentState:
         self._numel = sum(math.prod(shape) for shape in shapes)
         # The last round's sum, reused by the next round: no model-sized allocation per round.
         self._spare_sum: list[torch.Tensor] | None = None
+        self.sparse_mean = sparse_mean  # server/sparse_mean.py
+        self._spare_senders: list[torch.Tensor] | None = None  # as _spare_sum
         # learner -> base_version of its last accepted push: a retried push counts once.
         self.last_push_base: dict[str, int] = {}
 
@@ -186,6 +193,10 @@ class FragmentState:
                 rnd.adds.run()
                 ticket.check()
                 ticket = None
+        if self.sparse_mean == "senders":
+            if rnd.senders is None and self._spare_senders is not None:
+                rnd.senders = [t.zero_() for t in self._spare_senders]
+            rnd.senders = add_senders(rnd.senders, self.shapes, body.sent_positions(), weight)
         rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
@@ -212,7 +223,9 @@ class FragmentState:
         """Average the round's pseudo-gradients and apply one outer step.
 
         The sum is divided by the larger of the round's weight and `expected_weight` (the
-        weight a full round would carry): a partial round then takes a partial step.
+        weight a full round would carry): a partial round then takes a partial step. With
+        sparse_mean senders each value is divided by its senders' weight instead (times the
+        round's weight over that larger one: server/sparse_mean.py).
         `record(mean)` is called after the step (the durable log): the mean lives in the
         round's sum buffer, which is then kept for the next round instead of freed.
         """
@@ -220,7 +233,11 @@ class FragmentState:
         rnd, started = self.round, time.perf_counter()
         assert rnd.delta_sum is not None and self.params is not None  # caller checked
         denominator = max(rnd.weight_sum, expected_weight)
-        mean = [acc.div_(denominator) for acc in rnd.delta_sum]
+        if rnd.senders is not None:
+            divide_by_senders(rnd.delta_sum, rnd.senders, rnd.weight_sum / denominator)
+            mean, self._spare_senders = rnd.delta_sum, rnd.senders
+        else:
+            mean = [acc.div_(denominator) for acc in rnd.delta_sum]
         self.apply_mean(mean)
         self.round = Round()
         if record is not None:

@@ -44,6 +44,7 @@ class GlobalParams:
         streaming: StreamingConfig,
         new_outer: Callable[[], OuterOptimizer],
         sharding: ShardingConfig,
+        sparse_mean: str = "learners",
     ) -> None:
         self.fingerprint: list[ParamSpec] | None = None
         self.fragments: list[FragmentState] = []
@@ -51,6 +52,7 @@ class GlobalParams:
         self._streaming = streaming
         self._sharding = sharding
         self._new_outer = new_outer
+        self._sparse_mean = sparse_mean  # server/sparse_mean.py
 
     def adopt(self, fingerprint: list[ParamSpec]) -> None:
         """Fix the run's model at the first learner's; refuse a learner with another model."""
@@ -137,6 +139,7 @@ class GlobalParams:
                 pull_sparse_k=topk_k(cfg.pull_topk_fraction),
                 update_log_versions=cfg.update_log_versions,
                 update_log_fraction=cfg.update_log_fraction,
+                sparse_mean=self._sparse_mean,
             )
             for fid, indices in enumerate(groups)
         ]

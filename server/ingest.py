@@ -138,6 +138,12 @@ class PushBody:
         self.max_abs = max_abs
         self._hold, self._release = hold, None
 
+    def sent_positions(self) -> list[torch.Tensor | None]:
+        """Per tensor, the flat positions of the values it sent (a sparse tensor's nonzero
+        kept values), or None for a dense tensor's every value (server/sparse_mean.py)."""
+        entries = [t.entries for t in self._tensors]
+        return [None if e is None else e[0][e[1] != 0] for e in entries]
+
     def defer(self) -> bool:
         """Keep this push's bytes past its call, to be added later with others in one pass
         (add_in_turn); False when it cannot be: not all fp4 through the kernel, or its
@@ -349,10 +355,11 @@ class IngestSlots:
 
 class DenseBody:
     """A push already decoded to tensors (in-process callers, tests): the same interface as
-    PushBody, with the norm and magnitude computed on the whole tensors."""
+    PushBody, with the norm and magnitude computed on the whole tensors. `sparse`: a sparse
+    push decoded, whose values count as sent where they are not zero."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._tensors = list(tensors)
+    def __init__(self, tensors: Sequence[torch.Tensor], sparse: bool = False) -> None:
+        self._tensors, self._sparse = list(tensors), sparse
         self.shapes = [tuple(t.shape) for t in self._tensors]
         self.max_abs = 0.0
         for t in self._tensors:
@@ -360,6 +367,10 @@ class DenseBody:
             if largest > self.max_abs:  # a NaN never wins: the norm check refuses it
                 self.max_abs = largest
         self.norm = math.sqrt(sum(float(t.double().square().sum()) for t in self._tensors))
+
+    def sent_positions(self) -> list[torch.Tensor | None]:
+        """As PushBody.sent_positions."""
+        return [t.reshape(-1).nonzero().view(-1) if self._sparse else None for t in self._tensors]
 
     def defer(self) -> bool:
         """Always False: a dense body is added as it comes (see PushBody.defer)."""

@@ -161,12 +161,20 @@ class NesterovOuter:
         )
         self.steps_taken += 1
         scratch = torch.empty(min(CHUNK_VALUES, _largest(grads)), dtype=torch.float32)
-        momentum_of = self._chunk_momentum(grads, momentum, torch.empty_like(scratch))
+        # No momentum (the sparse codecs' step): no buffer to keep, torch's SGD keeps none.
+        momentum_of = None
+        if self.momentum != 0:
+            momentum_of = self._chunk_momentum(grads, momentum, torch.empty_like(scratch))
         for i, g in enumerate(grads):
             flat_g = _flat(g)
             for start, stop in spans(flat_g.numel()):
                 out = scratch[: stop - start]
-                torch.add(flat_g[start:stop], momentum_of(i, start, stop), alpha=momentum, out=out)
+                if momentum_of is None:
+                    out.copy_(flat_g[start:stop])
+                else:
+                    torch.add(
+                        flat_g[start:stop], momentum_of(i, start, stop), alpha=momentum, out=out
+                    )
                 yield i, start, out
 
     def _chunk_momentum(

@@ -17,6 +17,7 @@ from common.codec import is_sparse
 from common.sparse import DEFAULT_TOPK_FRACTION
 from server.outer import STATE_DTYPES
 from server.outer_lr import check_outer_lr_schedule
+from server.sparse_mean import SPARSE_MEANS
 
 RECIPES = ("best", "paper")
 
@@ -92,6 +93,10 @@ class OuterConfig:
     outer_lr_schedule_power: float = 1.0
     """cosine: 1 decays the outer lr with the inner lr, a negative power raises it as the
     inner lr decays, 0 keeps it (within [-1, 1])."""
+    sparse_mean: str = "learners"
+    """What the outer step steps along with sparse pushes: learners (the round's weighted
+    mean; a value a learner did not send counts as zero) or senders (each value's mean over
+    the pushes that sent it; server/sparse_mean.py). Dense pushes send every value."""
 
     def __post_init__(self) -> None:
         if self.outer_state_dtype not in STATE_DTYPES:
@@ -114,6 +119,10 @@ class OuterConfig:
             raise ValueError(
                 "outer_momentum_warmup_start must be in [0, 1), "
                 f"got {self.outer_momentum_warmup_start}"
+            )
+        if self.sparse_mean not in SPARSE_MEANS:
+            raise ValueError(
+                f"sparse_mean must be one of {', '.join(SPARSE_MEANS)}, got {self.sparse_mean!r}"
             )
         check_outer_lr_schedule(
             self.outer_lr_schedule, self.outer_lr_schedule_rounds, self.outer_lr_schedule_power

@@ -29,8 +29,18 @@ OUTER_STEPS = 4
             {"fragments": 2, "pull_codec": "sparse_2bit", "pull_topk_fraction": 1 / 16},
             ["--n-layer", "2", "--overlap-steps", "1", "--push-codec", "sparse_fp4"],
         ),
+        # The same with each value's mean taken over the learners that sent it.
+        (
+            {
+                "fragments": 2,
+                "pull_codec": "sparse_2bit",
+                "pull_topk_fraction": 1 / 16,
+                "sparse_mean": "senders",
+            },
+            ["--n-layer", "2", "--overlap-steps", "1", "--push-codec", "sparse_2bit"],
+        ),
     ],
-    ids=["diloco", "streaming", "sparse"],
+    ids=["diloco", "streaming", "sparse", "sparse-senders"],
 )
 def test_two_learners_end_bit_identical_to_the_server(
     start_service, start_learner, tmp_path, server_config, learner_flags

@@ -164,3 +164,29 @@ def test_async_holds_one_more_copy_for_delayed_nesterov() -> None:
     for rounds in (3, 4):  # with and without that buffer pending
         tensors, _ = held(run("fp4_e2m1", rounds=rounds, outer=DelayedNesterov(every=2)))
         assert tensors == (5 if rounds % 2 else 4) * MODEL_BYTES
+
+
+def test_sparse_pulls_and_the_senders_mean_still_hold_four_copies() -> None:
+    """The sparse codecs' step (no momentum, so no momentum buffer) with sparse_mean senders:
+    parameters, pull residual, round sum and the senders' weights, and no temporary of the
+    model's size at the close."""
+    fragment = FragmentState(
+        0, [0, 1, 2], SHAPES, NesterovOuter(momentum=0.0), "sparse_2bit", 16,
+        sparse_mean="senders",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    fragment.initialize([torch.randn(s, generator=g) for s in SHAPES])
+
+    def push(learner: str) -> None:
+        delta = [torch.randn(s, generator=g) * (torch.rand(s, generator=g) < 0.02) for s in SHAPES]
+        fragment.add(learner, DenseBody(delta, sparse=True), tokens=1)
+
+    for _ in range(3):
+        for learner in ("a", "b", "c"):
+            push(learner)
+        fragment.close_round()
+    push("a")  # a round is open
+    assert held(fragment)[0] == 4 * MODEL_BYTES
+    with _NewStorages() as allocations:
+        fragment.close_round()
+    assert allocations.largest < MODEL_BYTES / 4
