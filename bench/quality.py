@@ -48,7 +48,9 @@ HEADLINE = [Row("fp4", h=20), Row("sparse-2bit", h=20, topk=SPARSE_TOPK)]
 QUICK = [Row("fp4", h=10), Row("sparse-2bit", h=10, topk=SPARSE_TOPK)]
 
 
-ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[/momentum][^power][:inmodel]]]"
+ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[/momentum][^power][:options]]]"
+# A row's options: the residual kept in the model, each value's mean over its senders.
+OPTION_SETS = (["inmodel"], ["senders"], ["inmodel", "senders"])
 
 
 def parse_row(text: str) -> Row:
@@ -58,10 +60,12 @@ def parse_row(text: str) -> Row:
     push's), the outer lr as lr/momentum (2.25/0.5) the outer Nesterov's momentum (else the
     recipe's), ^power (4.5^-0.25) the outer lr times the inner cosine schedule's factor to
     that power (Row.outer_lr_power); `inmodel`: sparse pushes keep their residual in the
-    local model too (the learner's --push-feedback-in-model)."""
+    local model too (the learner's --push-feedback-in-model); `senders`: the server's
+    --sparse-mean senders."""
     parts = text.split(":")
+    options = parts[4].split(",") if len(parts) == 5 else []
     try:
-        if not 2 <= len(parts) <= 5 or parts[4:] not in ([], ["inmodel"]):
+        if not 2 <= len(parts) <= 5 or len(parts) == 5 and options not in OPTION_SETS:
             raise ValueError(f"expected {ROW_FORMAT}")
         codec, h = parts[0], int(parts[1])
         push, slash, pull = (parts[2] if len(parts) > 2 else "0").partition("/")
@@ -82,7 +86,8 @@ def parse_row(text: str) -> Row:
             raise ValueError("a pull fraction needs a push fraction and must be in (0, 1]")
         row = Row(codec, h=h, topk=topk, pull_topk=pull_topk, outer_lr=outer_lr,
                   outer_momentum=outer_momentum, outer_lr_power=outer_lr_power,
-                  feedback_in_model=len(parts) == 5)  # fmt: skip
+                  feedback_in_model="inmodel" in options,
+                  sparse_mean="senders" if "senders" in options else "learners")  # fmt: skip
         row.variant()  # an unknown codec raises here
         if pull_topk is not None and not is_sparse(WIRE[codec]):
             raise ValueError(f"a pull fraction is for sparse codecs; {codec} pulls dense")
@@ -254,7 +259,7 @@ def main() -> int:
         nargs="+",
         type=parse_row,
         help=f"DiLoCo rows as {ROW_FORMAT} (codecs: fp32, fp4, "
-        "sparse-2bit, sparse-fp4); "
+        "sparse-2bit, sparse-fp4; options: inmodel, senders or inmodel,senders); "
         "default: fp4:20 sparse-2bit:20:0.015625 (--quick: H 10)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)

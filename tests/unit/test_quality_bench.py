@@ -402,3 +402,18 @@ def test_a_row_may_scale_its_outer_lr_by_a_power_of_the_inner_cosine() -> None:
     for bad in ("fp4:5:0:^0.25", "fp4:5:0:0.35^2", "fp4:5:0:0.35^x"):
         with pytest.raises(argparse.ArgumentTypeError):
             quality.parse_row(bad)
+
+
+def test_a_row_may_take_each_values_mean_over_its_senders() -> None:
+    row = quality.parse_row("sparse-2bit:5:0.015625:1.25:inmodel,senders")
+    assert row == Row("sparse-2bit", h=5, topk=0.015625, outer_lr=1.25, feedback_in_model=True,
+                      sparse_mean="senders")  # fmt: skip
+    assert row.method.endswith(" senders mean")
+    assert row.variant().server == {"pull_topk_fraction": 1 / 32, "sparse_mean": "senders"}
+    alone = quality.parse_row("sparse-2bit:20:0.015625:1:senders")
+    assert alone.sparse_mean == "senders" and not alone.feedback_in_model
+    # Without it the run keeps the key of every run cached before the setting.
+    assert "sparse_mean" not in replace(row, sparse_mean="learners").variant().server
+    for bad in ("sparse-2bit:5:0.015625:1:median", "sparse-2bit:5:0.015625:1:senders,senders"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected codec:H"):
+            quality.parse_row(bad)
