@@ -3,11 +3,11 @@
     senders = add_senders(None, shapes, body.sent_positions(), weight)  # per push
     divide_by_senders(round_sums, senders, fullness)                     # at the close
 
-With top-k sparse pushes a learner sends 1 of every 64 values a round, and few values are
-sent by more than one learner (about 1.1 senders a sent value with 4 learners, measured on
-the quality benchmark). The plain weighted mean divides every value by the whole round's
-weight, so a value one learner of K sent moves the model by 1/K of that learner's step, and
-the outer lr must be large to make up for it; a value all K sent then moves K times as far.
+With top-k sparse pushes a learner sends 1 of every 64 values a round, so few values are
+sent by more than one of a few learners. The plain weighted mean divides every value by the
+whole round's weight, so a value one learner of K sent moves the model by 1/K of that
+learner's step, and the outer lr must be large to make up for it; a value all K sent then
+moves K times as far.
 `sparse_mean = "senders"` divides each value by the weight of the pushes that sent it
 instead: each sent value moves by its senders' mean, whatever the others chose to send
 (docs/RESULTS.md, "The round mean of sparse pushes"). A dense push sends every value.
