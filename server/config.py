@@ -288,6 +288,11 @@ def check_aggregator_sections(config: AggregatorSections) -> None:
             "outer_lr_schedule is for sync and quorum modes; async mode's Delayed Nesterov "
             "keeps a constant lr"
         )
+    if config.outer.sparse_mean == "senders" and config.rounds.mode == "async":
+        raise ValueError(
+            "sparse_mean senders is for sync and quorum modes; in async mode each push is "
+            "its own round"
+        )
     if config.outer.sparse_mean == "senders" and config.rounds.robust_merge == "trimmed-mean":
         raise ValueError(
             "sparse_mean senders takes each value's mean over its senders; robust_merge "

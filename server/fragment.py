@@ -38,7 +38,7 @@ from server.outer import STATE_DTYPES, OuterOptimizer
 from server.pull_encoder import UpdateEncoder
 from server.pull_parts import TensorBytes, snapshot_parts
 from server.round_adds import AddTicket, OrderedAdds
-from server.sparse_mean import add_senders, divide_by_senders
+from server.sparse_mean import SenderWeights
 
 # Accepted fp4 pushes a round may hold back to add with the next one in a single pass over
 # its sum (server/ingest.py add_in_turn): a 16 M-value fragment's float32 sum is 64 MiB, which
@@ -74,7 +74,7 @@ class Round:
     # (server/round_adds.py); anything that reads delta_sum runs them first (settle).
     adds: OrderedAdds = field(default_factory=OrderedAdds)
     # With sparse_mean "senders": per value, Σ weight of the pushes that sent it.
-    senders: list[torch.Tensor] | None = None
+    senders: SenderWeights | None = None
 
 
 @dataclass(frozen=True)
@@ -194,9 +194,8 @@ class FragmentState:
                 ticket.check()
                 ticket = None
         if self.sparse_mean == "senders":
-            if rnd.senders is None and self._spare_senders is not None:
-                rnd.senders = [t.zero_() for t in self._spare_senders]
-            rnd.senders = add_senders(rnd.senders, self.shapes, body.sent_positions(), weight)
+            rnd.senders = rnd.senders or SenderWeights(self.shapes, self._spare_senders)
+            rnd.senders.add(body.sent_positions(), weight)
         rnd.abs_bound += scale * body.max_abs
         rnd.weight_sum += weight
         rnd.contributors.add(learner_id)
@@ -233,9 +232,10 @@ class FragmentState:
         rnd, started = self.round, time.perf_counter()
         assert rnd.delta_sum is not None and self.params is not None  # caller checked
         denominator = max(rnd.weight_sum, expected_weight)
-        if rnd.senders is not None:
-            divide_by_senders(rnd.delta_sum, rnd.senders, rnd.weight_sum / denominator)
-            mean, self._spare_senders = rnd.delta_sum, rnd.senders
+        if rnd.senders is not None and rnd.senders.values is not None:
+            fullness = rnd.weight_sum / denominator
+            self._spare_senders = rnd.senders.divide(rnd.delta_sum, fullness)
+            mean = rnd.delta_sum
         else:
             mean = [acc.div_(denominator) for acc in rnd.delta_sum]
         self.apply_mean(mean)

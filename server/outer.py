@@ -118,6 +118,8 @@ class NesterovOuter:
         state.setdefault("state_dtype", "float32")
         for name, value in state.items():
             setattr(self, name, value)
+        if self.momentum == 0:  # a snapshot may hold a buffer momentum 0 never reads
+            self.momentum_buffers = None
 
     def convert_state(self, state_dtype: str) -> None:
         """Keep the momentum in `state_dtype` from now on (buffers converted)."""

@@ -410,6 +410,7 @@ def test_a_row_may_take_each_values_mean_over_its_senders() -> None:
                       sparse_mean="senders")  # fmt: skip
     assert row.method.endswith(" senders mean")
     assert row.variant().server == {"pull_topk_fraction": 1 / 32, "sparse_mean": "senders"}
+    assert quality.parse_row("sparse-2bit:5:0.015625:1.25:senders,inmodel") == row
     alone = quality.parse_row("sparse-2bit:20:0.015625:1:senders")
     assert alone.sparse_mean == "senders" and not alone.feedback_in_model
     # Without it the run keeps the key of every run cached before the setting.

@@ -97,11 +97,27 @@ def test_the_senders_weights_are_reused_from_round_to_round() -> None:
     assert second[0][0, 0] == -6.0  # counted afresh: (2 + 4) / 2 more
 
 
+def test_dense_pushes_weigh_as_one_number_and_sparse_ones_per_value() -> None:
+    """A round of dense pushes makes no buffer; a dense push in a round with a sparse one
+    counts at every value."""
+    dense_only = fragment("senders")
+    dense_only.add("a", DenseBody(pushes()[0]), tokens=1)
+    assert dense_only.round.senders is not None and dense_only.round.senders.values is None
+    mixed = fragment("senders")
+    got = step(mixed, [DenseBody(pushes()[0]), DenseBody(pushes()[1], sparse=True)])
+    # (0, 0): both sent, (2 + 4) / 2; (0, 1): the dense push's 6 over both, the sparse push
+    # sent no value there; [0]: only the dense push.
+    assert got[0].tolist() == [[-3.0, -6.0, 0.0], [0.0, 0.0, 0.0]]
+    assert got[1].tolist() == [-4.0, 0.0, 0.0, 0.0]
+
+
 def test_the_setting_is_checked() -> None:
     with pytest.raises(ValueError, match="sparse_mean must be one of learners, senders"):
         aggregator_config(sparse_mean="median")
     with pytest.raises(ValueError, match="robust_merge trimmed-mean replaces the mean"):
         aggregator_config(sparse_mean="senders", robust_merge="trimmed-mean")
+    with pytest.raises(ValueError, match="sparse_mean senders is for sync and quorum modes"):
+        aggregator_config(sparse_mean="senders", mode="async", outer_momentum_warmup_rounds=0)
     assert aggregator_config().outer.sparse_mean == "learners"
 
 
@@ -114,3 +130,7 @@ def test_no_outer_momentum_keeps_no_momentum_buffer() -> None:
     outer.step(params, grads)
     assert outer.momentum_buffers is None
     assert params[0].tolist() == [0.0, 3.0, 0.5]  # 1 - 2 x 0.5 x g
+    # A snapshot that holds a buffer for a step with no momentum: not kept.
+    restored = NesterovOuter(momentum=0.0)
+    restored.restore({"momentum": 0.0, "momentum_buffers": [torch.ones(3)]}, version=2)
+    assert restored.momentum_buffers is None
