@@ -50,7 +50,7 @@ QUICK = [Row("fp4", h=10), Row("sparse-2bit", h=10, topk=SPARSE_TOPK)]
 
 ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[/momentum][^power][:options]]]"
 # A row's options: the residual kept in the model, each value's mean over its senders.
-OPTION_SETS = ({"inmodel"}, {"senders"}, {"inmodel", "senders"})
+OPTIONS = {"inmodel", "senders"}
 
 
 def parse_row(text: str) -> Row:
@@ -66,7 +66,7 @@ def parse_row(text: str) -> Row:
     options = parts[4].split(",") if len(parts) == 5 else []
     try:
         # Each option at most once, in any order.
-        known = len(options) == len(set(options)) and (not options or set(options) in OPTION_SETS)
+        known = set(options) <= OPTIONS and len(options) == len(set(options))
         if not 2 <= len(parts) <= 5 or not known:
             raise ValueError(f"expected {ROW_FORMAT}")
         codec, h = parts[0], int(parts[1])

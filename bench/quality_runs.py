@@ -137,18 +137,19 @@ class Row:
             push_feedback_in_model=self.feedback_in_model,
             **{name: value for name, value in own.items() if value is not None},
         )
+        # Server settings a row changes from the harness's, only where it does: every run
+        # cached before a setting existed keeps its key.
+        server = {}
         if self.state_dtype != "float32":
-            server = {**variant.server, "outer_state_dtype": self.state_dtype}
-            variant = replace(variant, server=server)
+            server["outer_state_dtype"] = self.state_dtype
         if self.sparse_mean != "learners":
-            variant = replace(variant, server={**variant.server, "sparse_mean": self.sparse_mean})
+            server["sparse_mean"] = self.sparse_mean
         if self.outer_lr_power:  # the learners' cosine spans `steps`: steps / H outer steps
-            schedule = {
-                "outer_lr_schedule": "cosine",
-                "outer_lr_schedule_rounds": max(1, self.steps // self.h),
-                "outer_lr_schedule_power": self.outer_lr_power,
-            }
-            variant = replace(variant, server={**variant.server, **schedule})
+            server["outer_lr_schedule"] = "cosine"
+            server["outer_lr_schedule_rounds"] = max(1, self.steps // self.h)
+            server["outer_lr_schedule_power"] = self.outer_lr_power
+        if server:
+            variant = replace(variant, server={**variant.server, **server})
         return variant
 
 
