@@ -20,9 +20,9 @@ import json
 import torch
 
 from bench.simulate import Setup
-from common.codec import is_sparse
-from common.sparse import DEFAULT_TOPK_FRACTION, fragment_with_feedback, topk_k
-from common.wire import encode_fragment
+from common.codec.fragment import encode_fragment, fragment_with_feedback
+from common.codec.sparse import DEFAULT_TOPK_FRACTION, topk_k
+from common.codec.tensor import is_sparse
 from learner.model import GPT
 from server.fragment import FragmentState
 from server.outer import NesterovOuter

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from bench.simulate import InProcessTransport
-from common.codec import CODECS, decode, dequantize_fp4, encode, quantize_fp4
+from common.codec.fp4 import dequantize_fp4, quantize_fp4
+from common.codec.tensor import CODECS, decode, encode
 from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
 from server.aggregator import Aggregator

@@ -41,11 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import procfs  # noqa: E402
+from common.codec.fragment import CHUNK_BYTES, chunks, encode_fragment  # noqa: E402
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc  # noqa: E402
 from common.metrics_http import write_port_file  # noqa: E402
 from common.rpc import LEARNER_ID_HEADER, create_channel, create_server  # noqa: E402
-from common.wire import CHUNK_BYTES, chunks, encode_fragment  # noqa: E402
 from deploy.launcher import start_daemon  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -209,10 +209,10 @@ def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
     (server/ingest.py add_in_turn); that pass with the widest instruction set this CPU has
     vs with AVX2 at most (common/fp4_accumulate.c); and reading a push's chunks as views vs
     protobuf's parse and field read (server/push_wire.py)."""
-    from common import fp4_native
+    from common.codec import native
+    from common.codec.framing import parse_push_request
     from server.fragment import DEFERRED_PUSHES
     from server.ingest import IngestSlot, add_in_turn
-    from server.push_wire import parse_push_request
 
     count = DEFERRED_PUSHES + 1
     slots = [IngestSlot() for _ in range(count)]
@@ -222,9 +222,9 @@ def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
     sums = [torch.zeros(s) for s in shapes]
     together = _median_ms(lambda: add_in_turn(bodies, sums)) / count
     one_by_one = _median_ms(lambda: [body.add_to(sums, w) for body, w in bodies]) / count
-    kernel = fp4_native.load()
+    kernel = native.load()
     assert kernel is not None  # the bodies are combinable
-    widest = kernel.limit_isa(fp4_native.ISA_AVX2)
+    widest = kernel.limit_isa(native.ISA_AVX2)
     try:
         together_avx2 = _median_ms(lambda: add_in_turn(bodies, sums)) / count
     finally:

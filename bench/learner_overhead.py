@@ -101,8 +101,8 @@ def gil_stalls(server: str, fragment_mib: int, pushes: int) -> dict:
     """Longest main-thread gap while a fragment is encoded and pushed, vs idle."""
     import torch
 
+    from common.codec.fragment import encode_fragment
     from common.generated.diloco.v1 import aggregator_pb2 as pb
-    from common.wire import encode_fragment
     from learner.client import AggregatorClient
 
     numel = fragment_mib * (1 << 20) // 4

@@ -46,10 +46,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.procfs import rss_mb  # noqa: E402
+from common.codec.fragment import encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
 from common.retry import Stopped, call_with_retry  # noqa: E402
 from common.rpc import LEARNER_ID_HEADER  # noqa: E402
-from common.wire import encode_fragment  # noqa: E402
 from deploy.launcher import SERVER, start_daemon  # noqa: E402
 from learner.client import AggregatorClient  # noqa: E402
 

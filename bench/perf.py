@@ -53,14 +53,14 @@ TARGETS = {  # figure -> (target, "min" if higher is better else "max")
 def codec(size_mib: int, repeats: int) -> dict:
     """The CPU codec figure, single thread, with the C kernel and with the torch path."""
     from bench.cuda_check import time_codec
-    from common import fp4_native
+    from common.codec import native
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     saved = os.environ.get("DILOCO_FP4_KERNEL")
     try:
         os.environ["DILOCO_FP4_KERNEL"] = "native"
-        if fp4_native.load() is None:
+        if native.load() is None:
             raise RuntimeError("the FP4 C kernel did not build; see the log above")
         native = time_codec(torch.device("cpu"), size_mib, repeats)
         os.environ["DILOCO_FP4_KERNEL"] = "torch"
@@ -77,9 +77,8 @@ def codec(size_mib: int, repeats: int) -> dict:
 def sparse_codec(size_mib: int, repeats: int) -> dict:
     """The sparse encoder and decoder against clone() of the same tensor, one thread."""
     from bench.cuda_check import median_s
+    from common.codec.sparse import encode_sparse, sparse_entries
     from common.generated.diloco.v1 import aggregator_pb2 as pb
-    from common.sparse import encode_sparse
-    from common.sparse_wire import sparse_entries
 
     threads, cpu = torch.get_num_threads(), torch.device("cpu")
     torch.set_num_threads(1)

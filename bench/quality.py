@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.plotting import pyplot  # noqa: E402
 from bench.quality_runs import WIRE, Row, add_setup_args, run_rows, setup_kw  # noqa: E402
-from common.codec import is_sparse  # noqa: E402
+from common.codec.tensor import is_sparse
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The best learning rates of bench/quality_sweep.py lr (docs/RESULTS.md, "Tuned baselines").

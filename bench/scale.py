@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import procfs  # noqa: E402
 from bench.scale_fleet import FRAGMENTS, TENSORS, Fleet, Model  # noqa: E402
-from common.codec import codec_id, encode_values  # noqa: E402
-from common.fragment_wire import fragment_parts  # noqa: E402
+from common.codec.framing import fragment_parts
+from common.codec.tensor import codec_id, encode_values
 from deploy.launcher import SERVER, Daemon, start_daemon, stop_all, wait_for_port_file  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

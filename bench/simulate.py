@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from common.codec import is_sparse
+from common.codec.fragment import decode_fragment
+from common.codec.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_FEEDBACK_IN_MODEL
+from common.codec.tensor import is_sparse
 from common.lr_schedule import LrSchedule
-from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_FEEDBACK_IN_MODEL
-from common.wire import decode_fragment
 from learner.data import BatchSampler, load_corpus
 from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync

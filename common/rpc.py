@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.wire import CHUNK_BYTES
+from common.codec.fragment import CHUNK_BYTES
 
 SERVICE_NAME = "diloco.v1.Aggregator"
 # Metadata key naming the learner a call's token belongs to (server/auth.py).

@@ -9,12 +9,12 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from common.codec import CODECS
+from common.codec.fragment import chunks
+from common.codec.tensor import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import create_channel
 from common.traffic import Traffic
-from common.wire import chunks
 
 UNARY_TIMEOUT_S = 30.0
 

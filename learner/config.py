@@ -22,11 +22,15 @@ from typing import Any
 
 import torch
 
-from common.codec import CODECS
+from common.codec.sparse import (
+    DEFAULT_FEEDBACK_DECAY,
+    DEFAULT_FEEDBACK_IN_MODEL,
+    DEFAULT_TOPK_FRACTION,
+)
+from common.codec.tensor import CODECS
 from common.config import address_list
 from common.lr_schedule import LrSchedule
 from common.metrics_http import check_listen
-from common.sparse import DEFAULT_FEEDBACK_DECAY, DEFAULT_FEEDBACK_IN_MODEL, DEFAULT_TOPK_FRACTION
 from learner.model import GPTConfig
 
 

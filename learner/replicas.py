@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import grpc
 import torch
 
+from common.codec.fragment import encode_fragment, params_crc32
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment, params_crc32
 from learner.client import AggregatorClient
 from learner.progress import SavedReplica
 from learner.streaming import FragmentReplica

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 import grpc
 import torch
 
+from common.codec.fragment import params_crc32
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import RetryGate, Stopped, call_with_retry, is_retryable
-from common.wire import params_crc32
 from learner.config import DilocoSyncConfig
 from learner.connection import connect
 from learner.heartbeat import Heartbeat, Membership, Pacer

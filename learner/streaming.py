@@ -22,16 +22,21 @@ from typing import Any, Protocol
 
 import torch
 
-from common.codec import is_sparse
-from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.sparse import (
+from common.codec.fragment import (
+    apply_updates,
+    decode_fragment,
+    encode_fragment,
+    fragment_with_feedback,
+    params_crc32,
+)
+from common.codec.sparse import (
     DEFAULT_FEEDBACK_DECAY,
     DEFAULT_FEEDBACK_IN_MODEL,
     DEFAULT_TOPK_FRACTION,
-    fragment_with_feedback,
     topk_k,
 )
-from common.wire import apply_updates, decode_fragment, encode_fragment, params_crc32
+from common.codec.tensor import is_sparse
+from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 
+from common.codec.fragment import params_crc32
 from common.config import flat_values
 from common.cpus import usable_cpus
 from common.retry import Stopped
-from common.wire import params_crc32
 from learner.api import DilocoSync, fingerprint
 from learner.checkpoint import (
     FORMAT_VERSION,

@@ -17,11 +17,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from common.codec import CODECS
+from common.codec.sparse import DEFAULT_TOPK_FRACTION
+from common.codec.tensor import CODECS
 from common.config import address_list, build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
-from common.sparse import DEFAULT_TOPK_FRACTION
 from server.influence import ROBUST_MERGES
 from server.network_config import LimitsConfig, NetworkConfig
 from server.outer_config import OuterConfig, outer_recipe

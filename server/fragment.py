@@ -29,14 +29,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.codec import codec_id
-from common.fragment_wire import chain_parts, parse_fragment
+from common.codec.fragment import (
+    DEFAULT_SPARSE_K,
+    TensorBytes,
+    UpdateEncoder,
+    params_crc32,
+    snapshot_parts,
+)
+from common.codec.framing import chain_parts
+from common.codec.tensor import codec_id, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import DEFAULT_SPARSE_K, params_crc32
 from server.ingest import DenseBody, PushBody, add_in_turn
 from server.outer import STATE_DTYPES, OuterOptimizer
-from server.pull_encoder import UpdateEncoder
-from server.pull_parts import TensorBytes, snapshot_parts
 from server.round_adds import AddTicket, OrderedAdds
 from server.sparse_mean import SenderWeights
 

@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from common.codec.sparse import topk_k
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.fragments import layout_fragments
-from common.sparse import topk_k
 from server.config import ShardingConfig, StreamingConfig
 from server.fragment import FragmentState
 from server.outer import OuterOptimizer

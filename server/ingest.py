@@ -61,10 +61,10 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from common import fp4_native
-from common.codec import FP4_BLOCK, FP4_GRIDS, dequantize_fp4
+from common.codec import native
+from common.codec.fp4 import FP4_BLOCK, FP4_GRIDS, NOT_FINITE, dequantize_fp4
+from common.codec.tensor import WireTensor, parse_fragment, parse_fragment_view
 from common.errors import InvalidArgument
-from common.fragment_wire import NOT_FINITE, WireTensor, parse_fragment, parse_fragment_view
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 # Keeps a push's receive buffer past its call: the buffer's release, or None if it may not.
@@ -129,7 +129,7 @@ class PushBody:
         scratch: _Scratch,
         squares: float,
         max_abs: float,
-        kernel: fp4_native.Kernel | None = None,
+        kernel: native.Kernel | None = None,
         hold: Hold | None = None,
     ) -> None:
         self._tensors, self._scratch, self._kernel = tensors, scratch, kernel
@@ -162,13 +162,13 @@ class PushBody:
             and all(t.codec in FP4_GRIDS for t in self._tensors)
         )
 
-    def kernel_adds(self, scale: float) -> list[fp4_native.FP4Add]:
+    def kernel_adds(self, scale: float) -> list[native.FP4Add]:
         """Per tensor, what Kernel.accumulate_many adds of it (a combinable body)."""
         assert self._kernel is not None  # combinable() checked
         mode = self._kernel.torch_add_mode()
         assert mode is not None
         return [
-            fp4_native.FP4Add(t.payload, t.scales, FP4_GRIDS[t.codec], scale, mode)
+            native.FP4Add(t.payload, t.scales, FP4_GRIDS[t.codec], scale, mode)
             for t in self._tensors
         ]
 
@@ -210,7 +210,7 @@ class PushBody:
         add_mode = self._kernel.torch_add_mode() if self._kernel is not None else None
         if add_mode is None:
             return set()
-        mode, done = (fp4_native.ACC_SET if first else add_mode), set()
+        mode, done = (native.ACC_SET if first else add_mode), set()
         for t in self._tensors:
             if t.codec in FP4_GRIDS and t.numel:
                 grid = FP4_GRIDS[t.codec]
@@ -252,7 +252,7 @@ def add_in_turn(pushes: Sequence[tuple[PushBody | DenseBody, float]], sums: list
 
 
 def _add_together(pushes: Sequence[tuple[PushBody, float]], sums: list[torch.Tensor]):
-    kernel = fp4_native.load()
+    kernel = native.load()
     assert kernel is not None  # combinable() bodies were parsed with it
     per_push = [body.kernel_adds(scale) for body, scale in pushes]
     for i, target in enumerate(sums):
@@ -268,7 +268,7 @@ def _spans(numel: int) -> Iterator[tuple[int, int]]:
 
 
 def _value_stats(
-    t: WireTensor, scratch: _Scratch, kernel: fp4_native.Kernel | None
+    t: WireTensor, scratch: _Scratch, kernel: native.Kernel | None
 ) -> tuple[float, float]:
     """(sum of squares in float64, largest magnitude) of a checked tensor's values, in one
     kernel pass for fp4 or else a chunk at a time; raises InvalidArgument for a value that is
@@ -316,7 +316,7 @@ class IngestSlot:
         tensors are views of it, valid while it is. With `release`, a bytearray `data` is
         emptied once protobuf has parsed (copied) it. `hold` keeps `data` valid past the
         call for a deferred add (PushBody.defer)."""
-        kernel = fp4_native.load()
+        kernel = native.load()
         tensors, squares, max_abs = [], 0.0, 0.0
         checked = (
             parse_fragment_view(data, shapes)

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from common.codec import is_sparse
-from common.sparse import DEFAULT_TOPK_FRACTION
+from common.codec.sparse import DEFAULT_TOPK_FRACTION
+from common.codec.tensor import is_sparse
 from server.outer import STATE_DTYPES
 from server.outer_lr import check_outer_lr_schedule
 from server.sparse_mean import SPARSE_MEANS

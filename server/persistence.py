@@ -49,7 +49,7 @@ import torch
 
 from common.atomic import atomic_write
 from common.checksum import crc32
-from common.codec import is_sparse
+from common.codec.tensor import is_sparse
 from common.errors import NotFound
 from server.config import PersistenceConfig, ShardingConfig, StreamingConfig
 from server.events import AggregatorEvents

@@ -20,35 +20,10 @@ from collections.abc import Callable
 
 import grpc
 
+from common.codec.framing import parse_push_request
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 PUSH_METHOD = "/diloco.v1.Aggregator/PushFragment"
-# Field 2 (`chunk`) of PushFragmentRequest with wire type 2 (length-delimited).
-CHUNK_TAG = (2 << 3) | 2
-# protobuf refuses a length longer than this encoding or this value: those go to its parser.
-_MAX_LENGTH_BYTES, _MAX_LENGTH = 5, (1 << 31) - 1
-
-
-def parse_push_request(data: bytes) -> pb.PushFragmentRequest | memoryview:
-    """A serialized PushFragmentRequest: the chunk's bytes as a view of `data` when the
-    message is exactly one chunk field, else the message as protobuf parses it."""
-    if len(data) > 1 and data[0] == CHUNK_TAG:
-        length, offset = _varint(data, 1)
-        if length is not None and length <= _MAX_LENGTH and offset + length == len(data):
-            return memoryview(data)[offset:]
-    return pb.PushFragmentRequest.FromString(data)
-
-
-def _varint(data: bytes, offset: int) -> tuple[int | None, int]:
-    """(value, offset past it) of the base-128 varint at `offset`; (None, offset) when it
-    runs past the data or past the longest length protobuf reads."""
-    value, shift = 0, 0
-    for i in range(offset, min(len(data), offset + _MAX_LENGTH_BYTES)):
-        value |= (data[i] & 0x7F) << shift
-        if data[i] < 0x80:
-            return value, i + 1
-        shift += 7
-    return None, offset
 
 
 def wire_bytes(message: pb.PushFragmentRequest | memoryview) -> int:

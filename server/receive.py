@@ -46,9 +46,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.codec.fragment import max_fragment_bytes
 from common.errors import InvalidArgument, ResourceExhausted
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import max_fragment_bytes
 
 # The automatic budget: a quarter of the owned fragments' float32 bytes within these bounds.
 AUTO_MIN_BYTES, AUTO_MAX_BYTES = 64 << 20, 256 << 20

@@ -13,15 +13,14 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 
-from common.codec import decode_values
+from common.codec.fragment import chunks, max_fragment_bytes
+from common.codec.tensor import decode_values, parse_fragment_view
 from common.cpus import usable_cpus
 from common.errors import DilocoError, InvalidArgument, PermissionDenied, ResourceExhausted
-from common.fragment_wire import parse_fragment_view
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import RETRY_AFTER_HEADER
 from common.traffic import NO_FRAGMENT, Traffic
-from common.wire import chunks, max_fragment_bytes
 from server.aggregator import Aggregator
 from server.auth import authenticated_learner
 from server.global_params import ParamSpec

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from common.codec import codec_id, encoded_sizes
+from common.codec.tensor import codec_id, encoded_sizes
 from common.fragments import block_index, layout_fragments
 
 # (name suffix, numel as a function of d_model): a pre-norm GPT block without biases,

@@ -15,11 +15,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from common.codec.fragment import chunks, encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import wait_until
 from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME, create_channel
-from common.wire import chunks, encode_fragment
 from server.auth import add_token
 from tests.support.processes import metric
 

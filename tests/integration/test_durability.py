@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
+from common.codec.fragment import decode_fragment, encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import wait_until
-from common.wire import decode_fragment, encode_fragment
 from learner.client import AggregatorClient
 from tests.support.processes import server_process
 

@@ -19,8 +19,8 @@ import threading
 
 import torch
 
+from common.codec.fragment import apply_updates, decode_fragment, params_crc32
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import apply_updates, decode_fragment, params_crc32
 from learner.main import parse_config as learner_config
 from learner.trainer import Learner
 from server.aggregator import Aggregator

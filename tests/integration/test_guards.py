@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+from common.codec.fragment import decode_fragment, encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import Stopped
-from common.wire import decode_fragment, encode_fragment
 from deploy.launcher import Daemon
 from learner.api import DilocoSync
 from learner.client import AggregatorClient

@@ -9,11 +9,11 @@ import threading
 import grpc
 import torch
 
+from common.codec.fragment import CHUNK_BYTES, chunks, encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import retry_after_s, wait_until
 from common.rpc import LEARNER_ID_HEADER, create_channel
-from common.wire import CHUNK_BYTES, chunks, encode_fragment
 from server.receive import auto_budget_bytes
 from tests.support.processes import metric
 

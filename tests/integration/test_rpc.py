@@ -7,10 +7,10 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.codec.fragment import encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import SERVICE_NAME, create_channel
-from common.wire import encode_fragment
 from learner.client import AggregatorClient
 
 SHAPES = [(4, 8), (8,)]

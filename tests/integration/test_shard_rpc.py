@@ -11,8 +11,8 @@ import grpc
 import pytest
 import torch
 
+from common.codec.fragment import encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment
 from deploy import status
 from learner.client import AggregatorClient
 from learner.shards import SEP, NotConnected, ShardedClient, ShardMapError

@@ -6,7 +6,8 @@ import struct
 import pytest
 import torch
 
-from common.codec import FP4_BLOCK, decode, encode
+from common.codec.fp4 import FP4_BLOCK
+from common.codec.tensor import decode, encode
 from common.errors import InvalidArgument
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.codec import decode, encode
+from common.codec.tensor import decode, encode
 from learner.config import resolve_device
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

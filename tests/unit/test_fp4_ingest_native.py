@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import fp4_native
-from common.codec import E8M0_BIAS, FP4_GRIDS, dequantize_fp4, encode
+from common.codec import native
+from common.codec.fp4 import E8M0_BIAS, FP4_GRIDS, dequantize_fp4
+from common.codec.fragment import decode_fragment, encode_fragment
+from common.codec.tensor import encode
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import decode_fragment, encode_fragment
 from server.ingest import CHUNK_VALUES, DenseBody, IngestSlot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,8 +25,8 @@ WEIGHTS = [1.0, 0.37, 0.3701, 1 / 3, 2.5e-7, 7.77e5]  # 0.37: exact products
 
 
 @pytest.fixture(scope="module")
-def kernel() -> fp4_native.Kernel:
-    kernel = fp4_native.load()
+def kernel() -> native.Kernel:
+    kernel = native.load()
     assert kernel is not None, "the C kernel must build on the CI machine"
     return kernel
 
@@ -114,7 +115,7 @@ def test_the_padding_nibble_of_an_odd_count_is_ignored_and_nothing_is_written_pa
     assert torch.equal(guarded[:numel], reference_values(packed, scales, numel, pb.CODEC_FP4_E2M1))
 
 
-@pytest.fixture(params=[fp4_native.ISA_PORTABLE, fp4_native.ISA_AVX2, fp4_native.ISA_AVX512])
+@pytest.fixture(params=[native.ISA_PORTABLE, native.ISA_AVX2, native.ISA_AVX512])
 def isa(kernel, request):
     """Each of fp4_accumulate's paths that this CPU runs (the others are skipped)."""
     if request.param > kernel.widest_isa():
@@ -136,11 +137,11 @@ def test_accumulate_is_torchs_arithmetic_bit_for_bit(kernel, isa, codec: int, nu
         exps = torch.randint(-3, 3, (numel,), generator=gen).float()
         start = torch.ldexp(torch.randn(numel, generator=gen) * weight, exps)
         got = torch.empty(numel)
-        assert kernel.accumulate(*args, weight, fp4_native.ACC_SET, got) == 0
+        assert kernel.accumulate(*args, weight, native.ACC_SET, got) == 0
         assert torch.equal(got.view(torch.int32), (values * weight).view(torch.int32))
         w32 = torch.tensor(weight, dtype=torch.float32)
         got = start.clone()
-        kernel.accumulate(*args, weight, fp4_native.ACC_ADD_MUL, got)
+        kernel.accumulate(*args, weight, native.ACC_ADD_MUL, got)
         assert torch.equal(got.view(torch.int32), (start + values * w32).view(torch.int32))
         got = start.clone()
         kernel.accumulate(*args, weight, kernel.torch_add_mode(), got)
@@ -149,13 +150,13 @@ def test_accumulate_is_torchs_arithmetic_bit_for_bit(kernel, isa, codec: int, nu
 
 
 def test_the_probe_finds_a_mode_and_the_two_add_modes_differ(kernel) -> None:
-    assert kernel.torch_add_mode() in (fp4_native.ACC_ADD_FMA, fp4_native.ACC_ADD_MUL)
+    assert kernel.torch_add_mode() in (native.ACC_ADD_FMA, native.ACC_ADD_MUL)
     packed, scales = packed_values(4099, 5, 124, 130)
     args = (as_bytes(packed), as_bytes(scales), 4099, FP4_GRIDS[pb.CODEC_FP4_E2M1], 1 / 3)
     fused = torch.randn(4099)
     separate = fused.clone()
-    kernel.accumulate(*args, fp4_native.ACC_ADD_FMA, fused)
-    kernel.accumulate(*args, fp4_native.ACC_ADD_MUL, separate)
+    kernel.accumulate(*args, native.ACC_ADD_FMA, fused)
+    kernel.accumulate(*args, native.ACC_ADD_MUL, separate)
     assert not torch.equal(fused, separate)  # else the probe could not tell them apart
 
 
@@ -237,10 +238,10 @@ def test_torch_baseline_kernels_select_the_multiply_then_add_mode() -> None:
     the ingest sums must still equal torch's (a fresh process, as the capability is fixed at
     torch's start)."""
     script = (
-        "from common import fp4_native\n"
+        "from common.codec import native\n"
         "from tests.unit.test_fp4_ingest_native import _ingest_sums, _pushes\n"
         "import torch, os\n"
-        "assert fp4_native.load().torch_add_mode() == fp4_native.ACC_ADD_MUL\n"
+        "assert native.load().torch_add_mode() == native.ACC_ADD_MUL\n"
         "pushes = _pushes('fp4_e2m1')\n"
         "os.environ['DILOCO_FP4_KERNEL'] = 'torch'\n"
         "ref = _ingest_sums(pushes)[0]\n"

@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
-from common import fp4_native
-from common.codec import FP4_BLOCK, FP4_GRIDS, dequantize_fp4, quantize_fp4
+from common.codec import native
+from common.codec.fp4 import FP4_BLOCK, FP4_GRIDS, dequantize_fp4, quantize_fp4
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
@@ -46,7 +46,7 @@ def hard_values(seed: int) -> torch.Tensor:
 def test_kernel_matches_torch_bit_for_bit(use, codec: int, numel: int) -> None:
     flat = hard_values(numel)[:numel].contiguous()
     use("native")
-    assert fp4_native.load() is not None, "the C kernel must build on the CI machine"
+    assert native.load() is not None, "the C kernel must build on the CI machine"
     packed, scales = quantize_fp4(flat, codec)
     values = dequantize_fp4(packed, scales, numel, codec)
     use("torch")
@@ -83,43 +83,43 @@ def test_forged_blocks_are_rejected_by_both(use, kind: str) -> None:
 
 def test_torch_path_is_announced_once(use, caplog) -> None:
     use("torch")
-    fp4_native._loaded.pop("torch", None)
-    with caplog.at_level(logging.INFO, logger="common.fp4_native"):
-        assert fp4_native.load() is None
-        assert fp4_native.load() is None
+    native._loaded.pop("torch", None)
+    with caplog.at_level(logging.INFO, logger="common.codec.native"):
+        assert native.load() is None
+        assert native.load() is None
     assert sum("pure-torch" in r.message for r in caplog.records) == 1
 
 
 def test_unknown_kernel_choice_is_one_clear_error(use) -> None:
     use("fast")
     with pytest.raises(ValueError, match="DILOCO_FP4_KERNEL must be one of"):
-        fp4_native.load()
+        native.load()
 
 
 def test_native_without_a_compiler_is_an_error(use, monkeypatch, tmp_path) -> None:
     use("native")
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("DILOCO_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fp4_native, "_loaded", {})
+    monkeypatch.setattr(native, "_loaded", {})
     with pytest.raises(RuntimeError, match="no C compiler"):
-        fp4_native.load()
+        native.load()
 
 
 def test_a_kernel_built_beforehand_needs_no_compiler(use, monkeypatch, tmp_path) -> None:
     """An image builds the kernel into DILOCO_CACHE_DIR and ships without a compiler."""
     use("native")
     monkeypatch.setenv("DILOCO_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(fp4_native, "_loaded", {})
-    assert fp4_native.load() is not None  # built here, with the compiler
-    monkeypatch.setattr(fp4_native, "_loaded", {})
-    monkeypatch.setattr(fp4_native.shutil, "which", lambda name: None)  # the compiler is gone
-    assert fp4_native.load() is not None
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.load() is not None  # built here, with the compiler
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)  # the compiler is gone
+    assert native.load() is not None
 
 
 def test_short_buffers_are_refused_not_read_past(use) -> None:
     use("native")
     with pytest.raises(ValueError, match="packed and 2 scale"):
-        fp4_native.load().dequantize(
+        native.load().dequantize(
             torch.zeros(16, dtype=torch.uint8),
             torch.zeros(1, dtype=torch.uint8),
             64,

@@ -15,10 +15,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from common.codec.fragment import TensorBytes
 from server.fragment import FragmentState
 from server.ingest import DenseBody
 from server.outer import CHUNK_VALUES, DelayedNesterov, NesterovOuter
-from server.pull_parts import TensorBytes
 from server.servicer import PULL_CHUNK_BYTES, _pieces
 
 # Larger than a chunk of the outer step, so that the chunking is exercised.

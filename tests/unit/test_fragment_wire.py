@@ -8,20 +8,13 @@ import zlib
 import pytest
 import torch
 
-from common.codec import decode, encode
+from common.codec.fp4 import NOT_FINITE
+from common.codec.fragment import apply_updates, decode_fragment, encode_fragment
+from common.codec.framing import chain_parts, fragment_parts, tensor_message
+from common.codec.sparse import SPARSE_CODECS
+from common.codec.tensor import CODECS, decode, encode, parse_fragment, parse_fragment_view
 from common.errors import InvalidArgument
-from common.fragment_wire import (
-    CODECS,
-    NOT_FINITE,
-    chain_parts,
-    fragment_parts,
-    parse_fragment,
-    parse_fragment_view,
-    tensor_message,
-)
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.sparse_wire import SPARSE_CODECS
-from common.wire import apply_updates, decode_fragment, encode_fragment
 
 
 def pinned_tensors() -> list[torch.Tensor]:

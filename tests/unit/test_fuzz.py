@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
+from common.codec.fragment import encode_fragment
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment
 from tests.support.fuzz import decoders
 from tests.support.fuzz.cases import (
     CaseReport,

@@ -8,11 +8,11 @@ import zlib
 import pytest
 import torch
 
-from common.codec import decode, encode
+from common.codec.fp4 import NOT_FINITE
+from common.codec.fragment import decode_fragment, encode_fragment
+from common.codec.tensor import decode, encode, parse_fragment
 from common.errors import InvalidArgument
-from common.fragment_wire import NOT_FINITE, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import decode_fragment, encode_fragment
 from server.ingest import CHUNK_VALUES, DenseBody, IngestSlot, IngestSlots
 
 # One tensor crosses chunk boundaries with an odd tail; one is smaller than a block.

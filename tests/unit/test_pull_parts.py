@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.wire import encode_fragment
-from server.pull_parts import TensorBytes, snapshot_parts
+from common.codec.fragment import TensorBytes, encode_fragment, snapshot_parts
 from server.servicer import SMALL_PART_BYTES, _pieces
 
 

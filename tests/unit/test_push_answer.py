@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from common.wire import encode_fragment
+from common.codec.fragment import encode_fragment
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.servicer import AggregatorServicer

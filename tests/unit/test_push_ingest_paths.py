@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common import fp4_native
-from common.codec import FP4_GRIDS
+from common.codec import native
+from common.codec.fp4 import FP4_GRIDS
+from common.codec.fragment import encode_fragment
+from common.codec.framing import parse_push_request
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment
 from server.fragment import DEFERRED_PUSHES, FragmentState
 from server.ingest import IngestSlot
 from server.outer import NesterovOuter
-from server.push_wire import parse_push_request, wire_bytes
+from server.push_wire import wire_bytes
 from server.receive import PushBudget, receive_into
 
 E2M1 = FP4_GRIDS[pb.CODEC_FP4_E2M1]
@@ -22,8 +23,8 @@ E3M0 = FP4_GRIDS[pb.CODEC_FP4_E3M0]
 
 
 @pytest.fixture(scope="module")
-def kernel() -> fp4_native.Kernel:
-    kernel = fp4_native.load()
+def kernel() -> native.Kernel:
+    kernel = native.load()
     assert kernel is not None, "the C kernel must build on the CI machine"
     return kernel
 
@@ -41,10 +42,10 @@ def test_pushes_added_in_one_pass_equal_one_call_each(kernel, numel: int) -> Non
     mode = kernel.torch_add_mode()
     assert mode is not None
     parts = [
-        fp4_native.FP4Add(*_packed(numel, seed), grid, weight, mode)
+        native.FP4Add(*_packed(numel, seed), grid, weight, mode)
         for seed, grid, weight in [(1, E2M1, 0.3701), (2, E3M0, 1 / 3), (3, E2M1, 7.77e5)]
     ]
-    first = fp4_native.FP4Add(*_packed(numel, 4), E2M1, 0.25, fp4_native.ACC_SET)
+    first = native.FP4Add(*_packed(numel, 4), E2M1, 0.25, native.ACC_SET)
     start = torch.randn(numel, generator=torch.Generator().manual_seed(5))
     one_by_one = start.clone()
     for p in [first, *parts]:
@@ -58,15 +59,15 @@ def test_pushes_added_in_one_pass_equal_one_call_each(kernel, numel: int) -> Non
 
 def test_a_nan_scale_in_any_push_leaves_the_sum_untouched(kernel) -> None:
     numel, mode = 40_001, kernel.torch_add_mode()
-    good = fp4_native.FP4Add(*_packed(numel, 1), E2M1, 0.5, mode)
+    good = native.FP4Add(*_packed(numel, 1), E2M1, 0.5, mode)
     codes, scales = _packed(numel, 2)
-    bad = fp4_native.FP4Add(codes, scales[:-1] + b"\xff", E2M1, 0.5, mode)  # last block
+    bad = native.FP4Add(codes, scales[:-1] + b"\xff", E2M1, 0.5, mode)  # last block
     out = torch.randn(numel)
     before = out.clone()
     assert kernel.accumulate_many([good, bad], numel, out) == -1
     assert torch.equal(out, before)
     with pytest.raises(ValueError, match="payload"):  # short buffers never reach the C code
-        kernel.accumulate_many([good, fp4_native.FP4Add(codes[:-1], scales, E2M1, 1, mode)],
+        kernel.accumulate_many([good, native.FP4Add(codes[:-1], scales, E2M1, 1, mode)],
                                numel, out)  # fmt: skip
 
 

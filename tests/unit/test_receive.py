@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
+from common.codec.fragment import max_fragment_bytes
 from common.errors import InvalidArgument, ResourceExhausted
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import wait_until
-from common.wire import max_fragment_bytes
 from server.receive import (
     AUTO_MAX_BYTES,
     AUTO_MIN_BYTES,

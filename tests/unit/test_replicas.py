@@ -4,8 +4,8 @@ many rounds."""
 import pytest
 import torch
 
+from common.codec.fragment import apply_updates, decode_fragment, params_crc32
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import apply_updates, decode_fragment, params_crc32
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.global_params import ParamSpec

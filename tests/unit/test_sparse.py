@@ -6,19 +6,23 @@ import math
 import pytest
 import torch
 
-from common import fp4_native
-from common.codec import CODECS, decode, encode, is_sparse
+from common.codec import native
+from common.codec.fragment import (
+    UpdateEncoder,
+    apply_updates,
+    decode_fragment,
+    fragment_with_feedback,
+    params_crc32,
+)
+from common.codec.framing import tensor_message
+from common.codec.sparse import SPARSE_CHUNK, encode_sparse, kept_total, sparse_sizes, topk_k
+from common.codec.tensor import CODECS, check_tensor, decode, encode, is_sparse
 from common.errors import InvalidArgument
-from common.fragment_wire import check_tensor, tensor_message
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.sparse import encode_sparse, fragment_with_feedback, topk_k
-from common.sparse_wire import SPARSE_CHUNK, kept_total, sparse_sizes
-from common.wire import apply_updates, decode_fragment, params_crc32
 from server.config import StreamingConfig
 from server.fragment import FragmentState
 from server.outer import CHUNK_VALUES, NesterovOuter
 from server.persistence import state_identity
-from server.pull_encoder import UpdateEncoder
 
 SPARSE = [pb.CODEC_SPARSE_2BIT, pb.CODEC_SPARSE_FP4]
 
@@ -217,15 +221,15 @@ def special_rows() -> list[torch.Tensor]:
 @pytest.mark.parametrize("k", [1, 3, 64, 4095, 4096])
 def test_the_c_selection_gives_the_torch_paths_bytes(codec: int, k: int, monkeypatch) -> None:
     monkeypatch.setenv("DILOCO_FP4_KERNEL", "native")
-    if fp4_native.load() is None:
+    if native.load() is None:
         pytest.skip("no C compiler")
     for x in special_rows():
-        native = encode_sparse(x, codec, k)
+        selected = encode_sparse(x, codec, k)
         monkeypatch.setenv("DILOCO_FP4_KERNEL", "torch")
         reference = encode_sparse(x, codec, k)
         monkeypatch.setenv("DILOCO_FP4_KERNEL", "native")
         for a, b in zip(
-            (native.indices, native.codes, native.scales),
+            (selected.indices, selected.codes, selected.scales),
             (reference.indices, reference.codes, reference.scales),
             strict=True,
         ):

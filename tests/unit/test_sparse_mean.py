@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.wire import decode_fragment, encode_fragment
+from common.codec.fragment import decode_fragment, encode_fragment
 from server.config import aggregator_config
 from server.fragment import FragmentState
 from server.ingest import DenseBody, IngestSlot

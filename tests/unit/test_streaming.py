@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from common.codec.fragment import decode_fragment, encode_fragment, params_crc32
+from common.codec.sparse import kept_total
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.sparse_wire import kept_total
-from common.wire import decode_fragment, encode_fragment, params_crc32
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync, merge
 
 

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from common.errors import InvalidArgument
-from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import (
+from common.codec.fragment import (
     chunks,
     decode_fragment,
     encode_fragment,
     max_fragment_bytes,
     params_crc32,
 )
+from common.errors import InvalidArgument
+from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 SHAPES = [(3, 4), (70,)]
 

@@ -34,9 +34,9 @@ import grpc
 import torch
 from hypothesis import strategies as st
 
+from common.codec.fragment import apply_updates, encode_fragment, params_crc32
 from common.errors import DilocoError
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import apply_updates, encode_fragment, params_crc32
 from tests.support.fuzz.garbage import garbage_push, other_rpc
 from tests.support.fuzz.strategies import ANY, Call, mutated_push, scenarios
 from tests.support.fuzz.world import (

@@ -16,10 +16,10 @@ from collections.abc import Callable
 import torch
 from hypothesis import strategies as st
 
-from common.codec import CODECS, decode
+from common.codec.fragment import apply_updates, decode_fragment, encode_fragment
+from common.codec.tensor import CODECS, decode
 from common.errors import DilocoError, InvalidArgument, ResourceExhausted
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import apply_updates, decode_fragment, encode_fragment
 from tests.support.fuzz.cases import CaseReport
 from tests.support.fuzz.garbage import random_payload, random_tensor
 from tests.support.fuzz.sparse_forgery import MUST_REFUSE, forged_sparse

@@ -14,9 +14,9 @@ import numpy as np
 from google.protobuf.descriptor import FieldDescriptor
 from hypothesis import strategies as st
 
-from common.codec import CODECS
+from common.codec.sparse import SPARSE_CODECS, sparse_sizes
+from common.codec.tensor import CODECS
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.sparse_wire import SPARSE_CODECS, sparse_sizes
 from tests.support.fuzz.strategies import ANY, Call, fuzz_session, serialize, stream, with_crc
 from tests.support.fuzz.world import FINGERPRINT, GOOD, MALLORY, SPECS, World
 

@@ -20,9 +20,9 @@ import struct
 import torch
 from hypothesis import strategies as st
 
-from common.codec import encode
+from common.codec.sparse import SPARSE_CHUNK, kept_counts, kept_total, pack_indices, unpack_indices
+from common.codec.tensor import encode
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.sparse_wire import SPARSE_CHUNK, kept_counts, kept_total, pack_indices, unpack_indices
 from tests.support.fuzz.strategies import with_crc
 
 MUST_REFUSE = ("repeat_index", "swap_indices", "past_end", "bad_scale")

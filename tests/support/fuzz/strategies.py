@@ -19,9 +19,9 @@ import grpc
 import numpy as np
 from hypothesis import strategies as st
 
-from common.codec import CODECS, encode
+from common.codec.fragment import max_fragment_bytes
+from common.codec.tensor import CODECS, encode
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import max_fragment_bytes
 from tests.support.fuzz.world import GOOD, MALLORY, Scenario, World, small_delta
 
 Code = grpc.StatusCode

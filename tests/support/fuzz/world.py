@@ -34,8 +34,8 @@ from unittest import mock
 import grpc
 import torch
 
+from common.codec.fragment import encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.wire import encode_fragment
 from server import servicer as servicer_module
 from server.aggregator import Aggregator
 from server.config import aggregator_config

@@ -1,5 +1,8 @@
-"""The top-k sparse wire format: sizes, bit packing, and the checks and decoding of a payload.
+"""The top-k sparse codecs, sparse_2bit and sparse_fp4: the format, its checks and decoding,
+and the encoder.
 
+    k = topk_k(1 / 64)                                   # 64 values of every 4096
+    enc = encode_sparse(flat, pb.CODEC_SPARSE_2BIT, k)   # indices, codes, scales (uint8)
     n_payload, n_scales = sparse_sizes(codec, numel, k)
     positions, values = sparse_entries(codec, payload, scales, numel, k)  # checked
 
@@ -17,7 +20,7 @@ increasing index order within a chunk, so their flat positions increase strictly
               little-endian, 4 bytes; CODEC_SPARSE_FP4: one E8M0 byte (2^(byte − 127))
 
 2-bit code: bit 0 picks the upper magnitude, bit 1 is the sign. 4-bit code: E2M1 as in
-common/codec.py (bit 3 the sign, bits 0-2 the magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6) times the
+fp4.py (bit 3 the sign, bits 0-2 the magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6) times the
 chunk's scale. With k = 64: 12 + 2 bits per kept value and 32 scale bits per chunk, 0.227 bits
 per parameter (2-bit); 0.252 with 4-bit values.
 
@@ -28,17 +31,39 @@ save ~0.07 bits per parameter at the price of sequential decoding. The 2-bit mag
 order statistics of the kept values (exact, no float sums), so an encoder gives the same
 bytes on every machine and a server's replay from its state dir is bit-identical.
 
-The checks here run before anything is applied (common/fragment_wire.py's check_tensor):
+The checks here run before anything is applied (tensor.py's check_tensor):
 lengths, scale bytes (no NaN or infinity, no negative magnitude), positions strictly
 increasing and inside the tensor, decoded values finite. Memory is in proportion to the
 payload's length, never to the size a sender claims: the payload must hold 14 or 16 bits
 for every kept entry before an entry is unpacked.
+
+The encoder keeps, in every chunk, the k largest magnitudes (among equal magnitudes at the
+boundary the lowest indices), listed in index order, and quantizes them: to 2 bits (sign, and
+the lower or upper of two magnitudes per chunk: the kept magnitudes of rank k/4 and 3k/4,
+rounded to bfloat16), or to E2M1 with one E8M0 scale per chunk (fp4.fp4_block_codes, the fp4
+codec's own rounding). The selection runs in C on CPU tensors (topk_kernel.c: a radix select
+per chunk, bit-identical to the torch path; tests/unit/test_sparse.py checks it) and as
+torch.topk elsewhere; the rest is vectorized torch over the kept entries (bench/perf.py
+measures the encoder against clone()).
+
+Error feedback (SparseLoCo, arXiv 2508.15706): what a sparse message leaves out is not lost.
+The sender keeps a residual e per tensor, sends S(x + e) and keeps e ← (x + e) − decode(S(x +
+e)); the dropped entries and the rounding error join the next message. The learner does this
+for its pushes (fragment.fragment_with_feedback), decaying e by β before adding x
+(SparseLoCo's e ← β·e + x, learner --push-feedback-decay), which makes e the outer momentum:
+the server then takes plain averaged steps. The server does it for its pulls, a chunk range at
+a time (fragment.UpdateEncoder), applying exactly the decoded values it sends, so the replicas
+that learners rebuild from the updates are bit-identical to the server's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from common.codec import native
+from common.codec.fp4 import BF16_MAX, E8M0_BIAS, E8M0_NAN, FP4_GRIDS, NOT_FINITE, fp4_block_codes
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
@@ -47,9 +72,7 @@ INDEX_BITS = 12
 SPARSE_CODECS = (pb.CODEC_SPARSE_2BIT, pb.CODEC_SPARSE_FP4)
 VALUE_BITS = {pb.CODEC_SPARSE_2BIT: 2, pb.CODEC_SPARSE_FP4: 4}
 SCALE_BYTES = {pb.CODEC_SPARSE_2BIT: 4, pb.CODEC_SPARSE_FP4: 1}
-# common.codec.FP4_GRIDS's E2M1 magnitudes (that module imports this one).
-E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-E8M0_BIAS, E8M0_NAN = 127, 255
+E2M1_GRID = FP4_GRIDS[pb.CODEC_FP4_E2M1]
 _BF16_EXPONENT, _BF16_SIGN = 0x7F80, 0x8000
 
 
@@ -167,7 +190,7 @@ def sparse_entries(
     codes = unpack_codes(raw[split:], n, VALUE_BITS[codec])
     values = decode_codes(codec, codes, scales, chunk_of)
     if not bool(torch.isfinite(values).all()):
-        raise InvalidArgument("tensor holds NaN or infinite values")
+        raise InvalidArgument(NOT_FINITE)
     return positions, values
 
 
@@ -202,3 +225,132 @@ def _byte_tensor(data: bytes) -> torch.Tensor:
     if not data:
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+# ---- The encoder -------------------------------------------------------------------------
+
+
+DEFAULT_TOPK_FRACTION = 1 / 64  # SparseLoCo's 64 of every 4096
+# The learner's push residual is multiplied by this before each sparse push (SparseLoCo's
+# error-feedback decay): what stays unsent for long fades instead of piling up.
+DEFAULT_FEEDBACK_DECAY = 0.95
+# Whether the learner also keeps that residual in its local model (docs/RESULTS.md, the
+# learner's unsent progress); off: SparseLoCo's rule, the residual apart from the model.
+DEFAULT_FEEDBACK_IN_MODEL = False
+
+
+def topk_k(fraction: float) -> int:
+    """Values kept per chunk of 4096 for a kept fraction in (0, 1]; raises ValueError."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"topk fraction must be in (0, 1], got {fraction}")
+    return max(1, min(SPARSE_CHUNK, round(fraction * SPARSE_CHUNK)))
+
+
+@dataclass(frozen=True)
+class SparseEncoding:
+    """One tensor (or chunk-aligned range of one) in the sparse format: uint8 tensors of the
+    packed indices and codes (payload = indices then codes) and the chunks' scale bytes,
+    with the positions (within the range) and decoded float32 values of the kept entries."""
+
+    indices: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    positions: torch.Tensor
+    values: torch.Tensor
+
+    def payload(self) -> torch.Tensor:
+        return torch.cat([self.indices, self.codes])
+
+    def dense(self, numel: int) -> torch.Tensor:
+        """The decoded values as a float32 tensor of `numel`, zeros where nothing was kept."""
+        return dense(self.positions, self.values, numel)
+
+
+def encode_sparse(flat: torch.Tensor, codec: int, k: int) -> SparseEncoding:
+    """Encode a finite 1-D float32 tensor; a range of a longer tensor encodes to the same
+    bytes as that range of the whole when it starts at a multiple of 32 chunks (the byte
+    boundaries of both indices and codes fall there)."""
+    if codec not in SPARSE_CODECS:
+        raise ValueError(f"codec {codec} is not a sparse codec")
+    numel = flat.numel()
+    full, tail, k_tail = kept_counts(numel, k)
+    groups = []  # (first chunk, rows of values, entries kept per row)
+    if full:
+        groups.append((0, flat[: full * SPARSE_CHUNK].view(full, SPARSE_CHUNK), k))
+    if tail:
+        groups.append((full, flat[full * SPARSE_CHUNK :].view(1, tail), k_tail))
+    local, codes, scales, chunk_of = [], [], [], []
+    kernel = native.load() if flat.device.type == "cpu" else None
+    for first_chunk, rows, kk in groups:
+        idx = _select(rows, kk, kernel)
+        values = rows.gather(1, idx)
+        ranked = values.abs().sort(dim=1, descending=True).values
+        row_codes, row_scales = _quantize(codec, values, ranked)
+        local.append(idx.reshape(-1))
+        codes.append(row_codes.reshape(-1))
+        scales.append(row_scales.reshape(-1))
+        chunk = torch.arange(rows.shape[0], device=flat.device) + first_chunk
+        chunk_of.append(chunk.repeat_interleave(kk))
+    if not groups:
+        empty = torch.empty(0, dtype=torch.uint8, device=flat.device)
+        none = torch.empty(0, dtype=torch.int64, device=flat.device)
+        return SparseEncoding(empty, empty, empty, none, none.float())
+    local_all, codes_all, scales_all = torch.cat(local), torch.cat(codes), torch.cat(scales)
+    chunks = torch.cat(chunk_of)
+    return SparseEncoding(
+        indices=pack_indices(local_all),
+        codes=pack_codes(codes_all, VALUE_BITS[codec]),
+        scales=scales_all,
+        positions=chunks * SPARSE_CHUNK + local_all,
+        values=decode_codes(codec, codes_all, scales_all, chunks),
+    )
+
+
+def _select(rows: torch.Tensor, kk: int, kernel: native.Kernel | None) -> torch.Tensor:
+    """The kept indices of each row, ascending: the C kernel's radix select where it is
+    built (one pass per level over a row in cache), else torch.topk and the tie rule."""
+    if kernel is not None:
+        return kernel.topk_select(rows.contiguous(), kk)
+    magnitudes = rows.abs()
+    ranked = magnitudes.topk(kk, dim=1)
+    return _lowest_on_ties(magnitudes, ranked.values[:, -1:], ranked.indices.sort(dim=1).values)
+
+
+def _lowest_on_ties(
+    magnitudes: torch.Tensor, threshold: torch.Tensor, idx: torch.Tensor
+) -> torch.Tensor:
+    """The kept indices (rows, kk) by the format's rule: the kk largest magnitudes and, among
+    those equal to the smallest kept one, the lowest indices. torch.topk picks among equal
+    values as it likes; rows where it had a choice are redone here, so the bytes do not
+    depend on its implementation (a server replaying its log elsewhere gets the same)."""
+    kk = idx.shape[1]
+    ties = (magnitudes >= threshold).sum(dim=1) != kk
+    if not bool(ties.any()):
+        return idx
+    rows, bound = magnitudes[ties], threshold[ties]
+    above = rows > bound
+    equal = rows == bound
+    room = kk - above.sum(dim=1, keepdim=True)
+    keep = above | (equal & (equal.cumsum(dim=1) <= room))
+    idx = idx.clone()
+    idx[ties] = keep.nonzero()[:, 1].view(-1, kk)  # row-major: ascending within each row
+    return idx
+
+
+def _quantize(
+    codec: int, values: torch.Tensor, ranked: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, values' shape) and per-row scale bytes (uint8, (rows, scale bytes)) of
+    the kept values (rows, kk), given their magnitudes in descending order."""
+    if codec == pb.CODEC_SPARSE_FP4:
+        codes, exps = fp4_block_codes(values)
+        return codes, (exps + E8M0_BIAS).to(torch.uint8).unsqueeze(1)
+    kk = values.shape[1]
+    # Two magnitudes per chunk: order statistics, exact on every machine (no float sums).
+    levels = torch.stack([ranked[:, (3 * kk) // 4], ranked[:, kk // 4]], dim=1)
+    levels = levels.clamp(max=BF16_MAX).to(torch.bfloat16)
+    lower, upper = levels.float().unbind(dim=1)
+    midpoint = ((lower + upper) / 2).unsqueeze(1)
+    codes = (values.abs() > midpoint).to(torch.uint8) | ((values < 0).to(torch.uint8) << 1)
+    scale_bytes = levels.contiguous().view(torch.uint8).view(values.shape[0], 4)
+    return codes, scale_bytes

@@ -1,8 +1,7 @@
-"""Tensor codecs for the wire: fp32, bf16 and two 4-bit block formats (sparse: common/sparse.py).
+"""The two 4-bit block formats, fp4_e2m1 and fp4_e3m0 (a tensor's wire encoding: tensor.py).
 
-    from common.codec import encode, decode
-    wire = encode(torch.randn(3, 100), "fp4_e2m1")   # an EncodedTensor message
-    approx = decode(wire)                              # float32, shape (3, 100)
+    packed, scales = quantize_fp4(flat, pb.CODEC_FP4_E2M1)     # uint8 codes and E8M0 scales
+    values = dequantize_fp4(packed, scales, flat.numel())       # float32
 
 Both 4-bit formats cut the flattened tensor into blocks of 32 values that share one
 power-of-two scale 2^e, stored as an E8M0 byte (e + 127). Each value is a sign bit and a
@@ -29,9 +28,8 @@ Devices: the 4-bit arithmetic runs where the tensor lives (a CUDA tensor is quan
 GPU and only the packed bytes cross to the host); `decode(..., device="cuda")` unpacks there.
 The result is bit-identical on every device (bench/cuda_check.py checks it on a GPU).
 
-Framing, lengths, checksum and the checks a received tensor must pass are the wire format's,
-common/fragment_wire.py: `encode` builds its message with that module's writer, and `decode`
-reads one through its parser (check_tensor) before decoding the values (decode_values).
+CPU tensors rounded to nearest go through the C kernels (native.py), bit-identical to the
+torch code here.
 """
 
 from __future__ import annotations
@@ -40,43 +38,18 @@ import math
 
 import torch
 
-from common import fp4_native
+from common.codec import native
 from common.errors import InvalidArgument
-from common.fragment_wire import (
-    CODECS,
-    E8M0_NAN,
-    FP4_BLOCK,
-    NAN_SCALE,
-    NOT_FINITE,
-    WireTensor,
-    check_tensor,
-    encoded_sizes,
-    tensor_message,
-)
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.sparse_wire import SPARSE_CODECS
-from common.sparse_wire import dense as sparse_dense
 
-# The codecs' names and byte sizes belong to the wire format (common/fragment_wire.py) and
-# are part of this module's interface too: they name and size the numbers encoded here.
-__all__ = [
-    "CODECS",
-    "E8M0_BIAS",
-    "FP4_BLOCK",
-    "FP4_GRIDS",
-    "ROUNDINGS",
-    "codec_id",
-    "decode",
-    "decode_values",
-    "dequantize_fp4",
-    "encode",
-    "encode_values",
-    "encoded_sizes",
-    "quantize_fp4",
-]
-
+FP4_BLOCK = 32  # values sharing one scale byte
 E8M0_BIAS = 127
+E8M0_NAN = 255  # the scale byte that means NaN: never valid on the wire
 MIN_SCALE_EXP = -127  # the smallest E8M0 scale; 2^-127 is a float32 subnormal, still exact
+
+# The refusals of bad values, in the words of every reader.
+NOT_FINITE = "tensor holds NaN or infinite values"
+NAN_SCALE = "FP4 block scale is NaN (E8M0 byte 255)"
 
 F32_MAX = float(torch.finfo(torch.float32).max)
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -89,116 +62,6 @@ FP4_GRIDS = {
 # Round-to-nearest boundaries between neighbouring grid values, as the torch path computes them.
 FP4_MIDPOINTS = {codec: (grid[1:] + grid[:-1]) / 2 for codec, grid in FP4_GRIDS.items()}
 ROUNDINGS = ("nearest", "stochastic")
-
-
-def codec_id(name: str) -> int:
-    """The wire enum of a codec name; raises ValueError naming the valid choices."""
-    if name not in CODECS:
-        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
-    return CODECS[name]
-
-
-def is_sparse(name: str) -> bool:
-    """Whether the codec name is one of the top-k sparse codecs (False for unknown names)."""
-    return name in CODECS and CODECS[name] in SPARSE_CODECS
-
-
-def encode(
-    tensor: torch.Tensor,
-    codec: str | int,
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    sparse_k: int = 64,
-) -> pb.EncodedTensor:
-    """Encode a floating-point tensor of any shape; raises ValueError on non-finite values.
-
-    `rounding` applies to the 4-bit codecs; "stochastic" draws from `generator`. The sparse
-    codecs keep `sparse_k` values of every chunk of 4096 (no error feedback here).
-    """
-    codec = codec_id(codec) if isinstance(codec, str) else codec
-    if codec in SPARSE_CODECS:
-        from common.sparse import encode_sparse  # built on this module's fp4 rounding
-
-        flat = tensor.detach().reshape(-1).to(torch.float32)
-        if not bool(torch.isfinite(flat).all()):
-            raise ValueError("cannot encode a tensor with NaN or infinite values")
-        enc = encode_sparse(flat, codec, sparse_k)
-        payload, scales = _host_bytes(enc.payload()), _host_bytes(enc.scales)
-        return tensor_message(codec, tensor.shape, payload, scales, sparse_k)
-    payload, scales = encode_values(tensor, codec, rounding, generator)
-    return tensor_message(codec, tensor.shape, payload, scales)
-
-
-def encode_values(
-    tensor: torch.Tensor,
-    codec: int,
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-) -> tuple[memoryview, memoryview]:
-    """The (payload, scales) wire bytes of a tensor's values in `codec`, as encode makes them;
-    raises ValueError on non-finite values. The buffers may be the tensor's own memory: use
-    them before the tensor changes."""
-    flat = tensor.detach().reshape(-1).to(torch.float32)
-    if not bool(torch.isfinite(flat).all()):
-        raise ValueError("cannot encode a tensor with NaN or infinite values")
-    if codec == pb.CODEC_FP32:
-        return _host_bytes(flat), memoryview(b"")
-    if codec == pb.CODEC_BF16:
-        # Saturate: float32 values above bfloat16's largest would round to infinity.
-        rounded = flat.clamp(-BF16_MAX, BF16_MAX).to(torch.bfloat16)
-        # bfloat16 has no numpy dtype: reinterpret the rounded bits as int16 to serialize.
-        return _host_bytes(rounded.view(torch.int16)), memoryview(b"")
-    if codec in FP4_GRIDS:
-        if rounding not in ROUNDINGS:
-            raise ValueError(f"rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
-        packed, scale_bytes = quantize_fp4(flat, codec, rounding == "stochastic", generator)
-        return _host_bytes(packed), _host_bytes(scale_bytes)
-    if codec in SPARSE_CODECS:
-        raise ValueError("sparse codecs are encoded whole: use encode, or common.sparse")
-    raise ValueError(f"unknown codec {codec}")
-
-
-def _host_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a 1-D tensor, read in place where it is a contiguous CPU tensor already."""
-    return memoryview(tensor.cpu().contiguous().numpy()).cast("B")
-
-
-def decode(
-    msg: pb.EncodedTensor,
-    expected_shape: tuple[int, ...] | None = None,
-    device: str | torch.device = "cpu",
-) -> torch.Tensor:
-    """Decode to float32 on `device` after checking codec, shape, lengths, checksum and scales
-    (fragment_wire.check_tensor) and then the values.
-
-    Raises InvalidArgument (nothing allocated in proportion to the claimed size) when any
-    field is inconsistent, so a decoder fed garbage fails cleanly.
-    """
-    return decode_values(check_tensor(msg, expected_shape), device)
-
-
-def decode_values(tensor: WireTensor, device: str | torch.device = "cpu") -> torch.Tensor:
-    """The float32 values of a checked tensor, on `device`, in its shape; raises
-    InvalidArgument when one is not finite."""
-    shape, numel = tensor.shape, tensor.numel
-    if numel == 0:
-        return torch.zeros(shape, dtype=torch.float32, device=device)
-    if tensor.codec == pb.CODEC_FP32:
-        flat = torch.frombuffer(bytearray(tensor.payload), dtype=torch.float32).to(device)
-    elif tensor.codec == pb.CODEC_BF16:
-        raw = torch.frombuffer(bytearray(tensor.payload), dtype=torch.bfloat16)
-        flat = raw.to(device).float()
-    elif tensor.entries is not None:  # sparse: the parser checked and decoded the entries
-        positions, values = tensor.entries
-        return sparse_dense(positions, values.to(device), numel).reshape(shape)
-    else:
-        packed = torch.frombuffer(bytearray(tensor.payload), dtype=torch.uint8).to(device)
-        scales = torch.frombuffer(bytearray(tensor.scales), dtype=torch.uint8).to(device)
-        flat = dequantize_fp4(packed, scales, numel, tensor.codec)
-        return flat.reshape(shape)  # dequantize_fp4 has checked the values are finite
-    if not bool(torch.isfinite(flat).all()):
-        raise InvalidArgument(NOT_FINITE)
-    return flat.reshape(shape)
 
 
 def _block_scale_exponents(blocks: torch.Tensor, top: float) -> torch.Tensor:
@@ -227,9 +90,9 @@ def quantize_fp4(
     1-D float32 tensor; the wire bytes of `encode` are exactly these.
 
     CPU tensors rounded to nearest go through the C kernel where it is available
-    (common/fp4_native.py); it returns the same bytes as the torch code below.
+    (native.py); it returns the same bytes as the torch code below.
     """
-    kernel = fp4_native.load() if flat.device.type == "cpu" and not stochastic else None
+    kernel = native.load() if flat.device.type == "cpu" and not stochastic else None
     if kernel is not None:
         grid = FP4_GRIDS[codec]
         top_shift = math.floor(math.log2(float(grid[-1]))) + 1
@@ -253,7 +116,7 @@ def fp4_block_codes(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4-bit codes (uint8, sign in bit 3, blocks' shape) and scale exponents (int32, one
     per row) of finite float32 `blocks`, each row sharing one scale: quantize_fp4's rule for
-    blocks of any width (the sparse codec's chunks use it too, common/sparse.py)."""
+    blocks of any width (the sparse codec's chunks use it too, sparse.py)."""
     grid = FP4_GRIDS[codec].to(blocks.device)
     exps = _block_scale_exponents(blocks, float(grid[-1]))
     # ldexp by a power of two is exact (no rounding) unless the result underflows, and values
@@ -290,7 +153,7 @@ def dequantize_fp4(
     Raises InvalidArgument for a NaN scale byte or a value that decodes to infinity (a
     forged top code in a block scaled near float32's maximum).
     """
-    kernel = fp4_native.load() if packed.device.type == "cpu" else None
+    kernel = native.load() if packed.device.type == "cpu" else None
     if kernel is not None:
         values, status = kernel.dequantize(
             packed.contiguous(), scale_bytes.contiguous(), numel, FP4_GRIDS[codec]

@@ -1,4 +1,4 @@
-/* Top-k selection for the sparse codecs (common/sparse.py; common/fp4_native.py loads it).
+/* Top-k selection for the sparse codecs (common/codec/sparse.py; common/codec/native.py loads it).
  *
  * For each of `rows` rows of `width` finite float32 values, the indices of the k largest
  * magnitudes, ascending, into idx (rows x k); among magnitudes equal to the smallest kept one,

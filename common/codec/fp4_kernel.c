@@ -1,6 +1,6 @@
-/* FP4 block quantize / dequantize for CPU float32 buffers (common/fp4_native.py loads it).
+/* FP4 block quantize / dequantize for CPU float32 buffers (common/codec/native.py loads it).
  *
- * Bit-identical to the pure-torch reference in common/codec.py (tests/unit/test_fp4_native.py
+ * Bit-identical to the pure-torch reference in common/codec/fp4.py (tests/unit/test_fp4_native.py
  * checks it): same scale rule, same round-to-nearest with ties to the even code, same cap near
  * float32's maximum, same packing (element 0 in the low nibble). Built with -ffp-contract=off
  * and without -ffast-math, so every product is one correctly rounded float32 multiply, as in

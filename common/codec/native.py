@@ -1,11 +1,12 @@
-"""The compiled FP4 kernel for CPU tensors, built on first use from common/fp4_kernel.c
-(quantize, dequantize), fp4_stats.c and fp4_accumulate.c (the server's ingest passes); the
-same library holds the sparse codecs' top-k selection (topk_kernel.c, common/sparse.py).
+"""The compiled FP4 kernel for CPU tensors, built on first use from fp4_kernel.c (quantize,
+dequantize), fp4_stats.c and fp4_accumulate.c (the server's ingest passes); the same library
+holds the sparse codecs' top-k selection (topk_kernel.c, sparse.py). The C sources lie beside
+this module.
 
-    from common import fp4_native
-    kernel = fp4_native.load()          # None where it cannot be built (and says why, once)
+    from common.codec import native
+    kernel = native.load()              # None where it cannot be built (and says why, once)
 
-The pure-torch codec in common/codec.py makes about a dozen full-size temporaries per call and
+The pure-torch codec in fp4.py makes about a dozen full-size temporaries per call and
 runs at a few percent of memory bandwidth; the C kernel does one pass per block of 32 values.
 Both give the same bytes and values (tests/unit/test_fp4_native.py checks bit-identity), so
 the kernel is only a speed-up: CUDA tensors and stochastic rounding always take the torch path.
@@ -64,7 +65,7 @@ class FP4Add(NamedTuple):
 
     payload: Buffer
     scales: Buffer
-    grid: torch.Tensor  # float32, contiguous (common.codec.FP4_GRIDS)
+    grid: torch.Tensor  # float32, contiguous (fp4.FP4_GRIDS)
     weight: float
     mode: int
 
@@ -189,7 +190,7 @@ class Kernel:
     def topk_select(self, rows: torch.Tensor, k: int) -> torch.Tensor:
         """The sparse codec's kept indices (int64, (rows, k), ascending) of a contiguous 2-D
         float32 CPU tensor of finite values: the k largest magnitudes of each row, the lowest
-        indices among equal ones (common/sparse.py's rule, bit-identical to its torch path)."""
+        indices among equal ones (sparse.py's rule, bit-identical to its torch path)."""
         if rows.dtype != torch.float32 or rows.dim() != 2 or not rows.is_contiguous():
             raise ValueError("topk_select needs a contiguous 2-D float32 tensor")
         n, width = rows.shape

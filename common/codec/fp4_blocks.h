@@ -1,4 +1,4 @@
-/* What the fp4 C files share (common/fp4_native.py builds them into one library): the wire
+/* What the fp4 C files share (common/codec/native.py builds them into one library): the wire
  * encoding's blocks of 32 values with one E8M0 scale byte each, and per-block helpers. */
 #ifndef FP4_BLOCKS_H
 #define FP4_BLOCKS_H
