@@ -48,7 +48,7 @@ HEADLINE = [Row("fp4", h=20), Row("sparse-2bit", h=20, topk=SPARSE_TOPK)]
 QUICK = [Row("fp4", h=10), Row("sparse-2bit", h=10, topk=SPARSE_TOPK)]
 
 
-ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[/momentum][^power][:options]]]"
+ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[/momentum][:options]]]"
 # A row's options: the residual kept in the model, each value's mean over its senders.
 OPTIONS = {"inmodel", "senders"}
 
@@ -58,8 +58,7 @@ def parse_row(text: str) -> Row:
     sparse-2bit:5:0.015625::inmodel); without an outer lr, the codec's recipe's;
     topk as push/pull (0.015625/0.046875) sets the pull's fraction too (else twice the
     push's), the outer lr as lr/momentum (2.25/0.5) the outer Nesterov's momentum (else the
-    recipe's), ^power (4.5^-0.25) the outer lr times the inner cosine schedule's factor to
-    that power (Row.outer_lr_power); `inmodel`: sparse pushes keep their residual in the
+    recipe's); `inmodel`: sparse pushes keep their residual in the
     local model too (the learner's --push-feedback-in-model); `senders`: the server's
     --sparse-mean senders."""
     parts = text.split(":")
@@ -73,11 +72,7 @@ def parse_row(text: str) -> Row:
         push, slash, pull = (parts[2] if len(parts) > 2 else "0").partition("/")
         topk = float(push)
         pull_topk = float(pull) if slash else None
-        outer, caret, power = (parts[3] if len(parts) > 3 else "").partition("^")
-        lr, slash, momentum = outer.partition("/")
-        outer_lr_power = float(power) if caret else 0.0
-        if not -1 <= outer_lr_power <= 1 or (caret and not lr):
-            raise ValueError("an outer lr schedule needs an outer lr and a power in [-1, 1]")
+        lr, slash, momentum = (parts[3] if len(parts) > 3 else "").partition("/")
         outer_lr = float(lr) if lr else None
         outer_momentum = float(momentum) if slash else None
         if h < 1 or not 0 <= topk <= 1 or not (outer_lr is None or outer_lr > 0):
@@ -87,7 +82,7 @@ def parse_row(text: str) -> Row:
         if pull_topk is not None and not (0 < pull_topk <= 1 and topk > 0):
             raise ValueError("a pull fraction needs a push fraction and must be in (0, 1]")
         row = Row(codec, h=h, topk=topk, pull_topk=pull_topk, outer_lr=outer_lr,
-                  outer_momentum=outer_momentum, outer_lr_power=outer_lr_power,
+                  outer_momentum=outer_momentum,
                   feedback_in_model="inmodel" in options,
                   sparse_mean="senders" if "senders" in options else "learners")  # fmt: skip
         row.variant()  # an unknown codec raises here

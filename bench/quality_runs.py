@@ -53,8 +53,6 @@ class Row:
     seed: int = 0
     outer_lr: float | None = None  # None: the recipe's (sweeps only)
     outer_momentum: float | None = None  # the outer Nesterov's momentum; None: the recipe's
-    # not 0: the outer lr times the inner cosine's factor to this power (over `steps`)
-    outer_lr_power: float = 0.0
     feedback_decay: float | None = None  # sparse pushes' residual decay; None: the default
     feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL  # residual kept in the local model too
     merge_alpha: float | None = None  # the local fragment's merge weight; None: MERGE_ALPHA
@@ -79,8 +77,6 @@ class Row:
         outer = "" if self.outer_lr is None else f" outer lr {self.outer_lr:g}"
         if self.outer_momentum is not None:
             outer += f" momentum {self.outer_momentum:g}"
-        if self.outer_lr_power:
-            outer += f" x cosine^{self.outer_lr_power:g}"
         decay = "" if self.feedback_decay is None else f" decay {self.feedback_decay:g}"
         alpha = "" if self.merge_alpha is None else f" alpha {self.merge_alpha:g}"
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
@@ -144,10 +140,6 @@ class Row:
             server["outer_state_dtype"] = self.state_dtype
         if self.sparse_mean != "learners":
             server["sparse_mean"] = self.sparse_mean
-        if self.outer_lr_power:  # the learners' cosine spans `steps`: steps / H outer steps
-            server["outer_lr_schedule"] = "cosine"
-            server["outer_lr_schedule_rounds"] = max(1, self.steps // self.h)
-            server["outer_lr_schedule_power"] = self.outer_lr_power
         if server:
             variant = replace(variant, server={**variant.server, **server})
         return variant

@@ -283,11 +283,6 @@ def check_aggregator_sections(config: AggregatorSections) -> None:
             "outer_state_dtype bfloat16 is for sync and quorum modes; async mode's Delayed "
             "Nesterov keeps float32"
         )
-    if config.outer.outer_lr_schedule != "constant" and config.rounds.mode == "async":
-        raise ValueError(
-            "outer_lr_schedule is for sync and quorum modes; async mode's Delayed Nesterov "
-            "keeps a constant lr"
-        )
     if config.outer.sparse_mean == "senders" and config.rounds.mode == "async":
         raise ValueError(
             "sparse_mean senders is for sync and quorum modes; in async mode each push is "

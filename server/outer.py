@@ -14,8 +14,6 @@ from typing import Protocol
 
 import torch
 
-from server.outer_lr import outer_lr_factor
-
 # Values of the outer update made at a time (512 KiB of float32): the step then needs no
 # temporary of the model's size (server/fragment.py keeps the server at ~4 model copies).
 CHUNK_VALUES = 1 << 17
@@ -45,18 +43,11 @@ _SETTING_OF_FIELD = {
     "warmup_rounds": "outer_momentum_warmup_rounds",
     "warmup_start": "outer_momentum_warmup_start",
     "state_dtype": "outer_state_dtype",
-    "lr_schedule": "outer_lr_schedule",
-    "lr_schedule_rounds": "outer_lr_schedule_rounds",
-    "lr_schedule_power": "outer_lr_schedule_power",
 }
 # Settings a snapshot records but a restore leaves at the config's (the log replays with them).
-_CONFIG_FIELDS = (
-    "warmup_rounds",
-    "warmup_start",
-    "lr_schedule",
-    "lr_schedule_rounds",
-    "lr_schedule_power",
-)
+_CONFIG_FIELDS = ("warmup_rounds", "warmup_start")
+# Fields of snapshots written with the constant outer lr of a retired lr schedule option.
+_RETIRED_FIELDS = ("lr_schedule", "lr_schedule_rounds", "lr_schedule_power")
 # outer_state_dtype's values: the dtype the momentum (and a fragment's pull residual) is kept in.
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -92,8 +83,7 @@ class NesterovOuter:
     With `warmup_rounds` > 0 the momentum rises linearly from `warmup_start` to `momentum`
     over the first outer steps (`warmed_momentum`); with 0 it is torch's SGD exactly. With
     `state_dtype` "bfloat16" the buffers take half the memory: each chunk is advanced in
-    float32 and stored rounded (then not torch's SGD bit for bit). `lr_schedule` other than
-    "constant" scales lr per outer step (server/outer_lr.py).
+    float32 and stored rounded (then not torch's SGD bit for bit).
     """
 
     lr: float = 0.7
@@ -103,9 +93,6 @@ class NesterovOuter:
     warmup_start: float = 0.5
     steps_taken: int = 0
     state_dtype: str = "float32"
-    lr_schedule: str = "constant"
-    lr_schedule_rounds: int = 0
-    lr_schedule_power: float = 1.0
 
     def restore(self, state: dict, version: int) -> None:
         """Load a snapshot's `vars()`. The warm-up's and the lr schedule's settings stay the
@@ -113,7 +100,13 @@ class NesterovOuter:
         (`convert_state` then takes the config's); a snapshot from before the warm-up existed
         took one outer step per version, and one from before the state dtype existed kept
         float32."""
-        state = {k: v for k, v in state.items() if k not in _CONFIG_FIELDS}
+        if state.get("lr_schedule", "constant") != "constant":
+            raise ValueError(
+                f"the state dir's outer optimizer follows outer_lr_schedule "
+                f"{state['lr_schedule']}, which this server does not offer: start on a new "
+                f"state dir from the model diloco-export writes out of this one"
+            )
+        state = {k: v for k, v in state.items() if k not in _CONFIG_FIELDS + _RETIRED_FIELDS}
         state.setdefault("steps_taken", version)
         state.setdefault("state_dtype", "float32")
         for name, value in state.items():
@@ -134,7 +127,7 @@ class NesterovOuter:
         Made a chunk at a time with torch's own operations (p += −lr·(g + momentum·buf)):
         element-wise, so bit-identical to the whole-tensor step, with no full-size temporary.
         """
-        lr = self.current_lr()  # before the chunks advance steps_taken
+        lr = self.lr
         for i, start, out in self._nesterov_chunks(grads):
             _flat(params[i])[start : start + out.numel()].add_(out, alpha=-lr)
 
@@ -142,16 +135,9 @@ class NesterovOuter:
         """Advance the momentum, then yield the Nesterov update −lr·(g + momentum·buf) a chunk
         at a time: (tensor index, first value, float32 values), each valid until the next is
         asked for. With quantized pulls the server adds a quantized copy of it."""
-        lr = self.current_lr()
+        lr = self.lr
         for i, start, out in self._nesterov_chunks(grads):
             yield i, start, out.mul_(-lr)
-
-    def current_lr(self) -> float:
-        """The lr of the next outer step: lr, scaled by the lr schedule at that step."""
-        factor = outer_lr_factor(
-            self.lr_schedule, self.lr_schedule_rounds, self.lr_schedule_power, self.steps_taken
-        )
-        return self.lr * factor
 
     def _nesterov_chunks(
         self, grads: list[torch.Tensor]

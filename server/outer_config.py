@@ -16,7 +16,6 @@ from typing import Any
 from common.codec.sparse import DEFAULT_TOPK_FRACTION
 from common.codec.tensor import is_sparse
 from server.outer import STATE_DTYPES
-from server.outer_lr import check_outer_lr_schedule
 from server.sparse_mean import SPARSE_MEANS
 
 RECIPES = ("best", "paper")
@@ -83,16 +82,6 @@ class OuterConfig:
     4, with 4-bit pulls, with no quality cost measured (docs/RESULTS.md); replicas stay
     bit-identical. float32 (async mode, sparse pulls and the paper recipe by default): torch's
     SGD exactly."""
-    outer_lr_schedule: str = "constant"
-    """constant, or cosine: the outer lr times the learners' cosine inner lr factor to
-    outer_lr_schedule_power (server/outer_lr.py; sync and quorum modes), for learners on
-    --lr-schedule cosine. Measured no better than constant (docs/RESULTS.md)."""
-    outer_lr_schedule_rounds: int = 0
-    """cosine: each fragment's outer steps the learners' cosine spans (their
-    lr_schedule_steps / sync_every_steps)."""
-    outer_lr_schedule_power: float = 1.0
-    """cosine: 1 decays the outer lr with the inner lr, a negative power raises it as the
-    inner lr decays, 0 keeps it (within [-1, 1])."""
     sparse_mean: str = "learners"
     """What the outer step steps along with sparse pushes: learners (the round's weighted
     mean; a value a learner did not send counts as zero) or senders (each value's mean over
@@ -124,6 +113,3 @@ class OuterConfig:
             raise ValueError(
                 f"sparse_mean must be one of {', '.join(SPARSE_MEANS)}, got {self.sparse_mean!r}"
             )
-        check_outer_lr_schedule(
-            self.outer_lr_schedule, self.outer_lr_schedule_rounds, self.outer_lr_schedule_power
-        )

@@ -65,9 +65,6 @@ class RoundPolicy:
             warmup_rounds=cfg.outer_momentum_warmup_rounds,
             warmup_start=cfg.outer_momentum_warmup_start,
             state_dtype=cfg.outer_state_dtype,
-            lr_schedule=cfg.outer_lr_schedule,
-            lr_schedule_rounds=cfg.outer_lr_schedule_rounds,
-            lr_schedule_power=cfg.outer_lr_schedule_power,
         )
 
     def check_base(self, fragment: FragmentState, learner_id: str, base_version: int) -> None:

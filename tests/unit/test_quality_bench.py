@@ -388,22 +388,6 @@ def test_threads_and_workers_must_be_whole_numbers_of_at_least_one() -> None:
             quality_runs.positive_int(bad)
 
 
-def test_a_row_may_scale_its_outer_lr_by_a_power_of_the_inner_cosine() -> None:
-    row = quality.parse_row("sparse-2bit:5:0.015625:4.5^-0.25:inmodel")
-    assert row == Row("sparse-2bit", h=5, topk=0.015625, outer_lr=4.5, outer_lr_power=-0.25,
-                      feedback_in_model=True)  # fmt: skip
-    assert " outer lr 4.5 x cosine^-0.25 " in row.method
-    # The server follows the learners' cosine over each fragment's steps / H outer steps.
-    server = replace(row, steps=5000).variant().server
-    assert server["outer_lr_schedule"] == "cosine"
-    assert (server["outer_lr_schedule_rounds"], server["outer_lr_schedule_power"]) == (1000, -0.25)
-    # Without it the run keeps the key of every run cached before the setting.
-    assert replace(row, outer_lr_power=0.0).variant().server == {"pull_topk_fraction": 1 / 32}
-    for bad in ("fp4:5:0:^0.25", "fp4:5:0:0.35^2", "fp4:5:0:0.35^x"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            quality.parse_row(bad)
-
-
 def test_a_row_may_take_each_values_mean_over_its_senders() -> None:
     row = quality.parse_row("sparse-2bit:5:0.015625:1.25:inmodel,senders")
     assert row == Row("sparse-2bit", h=5, topk=0.015625, outer_lr=1.25, feedback_in_model=True,
