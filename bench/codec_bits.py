@@ -24,8 +24,8 @@ from common.codec.fragment import encode_fragment, fragment_with_feedback
 from common.codec.sparse import DEFAULT_TOPK_FRACTION, topk_k
 from common.codec.tensor import is_sparse
 from learner.model import GPT
-from server.fragment import FragmentState
-from server.outer import NesterovOuter
+from server.rounds.outer import NesterovOuter
+from server.state.fragment import FragmentState
 
 CODECS = ("fp32", "fp4_e2m1", "sparse_2bit", "sparse_fp4")
 ROUNDS = 3

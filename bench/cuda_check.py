@@ -32,7 +32,7 @@ from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
+from server.state.params import ParamSpec
 
 
 def synchronize(device: torch.device) -> None:

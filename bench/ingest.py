@@ -211,8 +211,8 @@ def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
     protobuf's parse and field read (server/push_wire.py)."""
     from common.codec import native
     from common.codec.framing import parse_push_request
-    from server.fragment import DEFERRED_PUSHES
-    from server.ingest import IngestSlot, add_in_turn
+    from server.rounds.ingest import IngestSlot, add_in_turn
+    from server.rounds.round import DEFERRED_PUSHES
 
     count = DEFERRED_PUSHES + 1
     slots = [IngestSlot() for _ in range(count)]

@@ -26,7 +26,7 @@ from pathlib import Path
 from bench.simulate import Result, Setup, Variant, run_variant
 from common.codec.sparse import DEFAULT_FEEDBACK_IN_MODEL, SPARSE_CHUNK, topk_k
 from common.codec.tensor import is_sparse
-from server.outer_config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
+from server.config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
 
 # The wire codec names the rows use, and the common/codec.py codecs they send each way.
 WIRE = {

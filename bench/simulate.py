@@ -25,8 +25,8 @@ from learner.model import GPT, GPTConfig
 from learner.streaming import FragmentReplica, PullReply, Schedule, StreamingSync
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
-from server.ingest import DenseBody
+from server.rounds.ingest import DenseBody
+from server.state.params import ParamSpec
 
 
 @dataclass(kw_only=True)

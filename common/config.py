@@ -168,6 +168,37 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             )
 
 
+def reference(daemons: Mapping[str, type]) -> str:
+    """The configuration reference in Markdown, made from the settings' own docs: for each
+    daemon (its command, its config class), a table per section of every setting's TOML key
+    (= its flag and DILOCO_* variable), default and docstring. docs/configuration.md is this
+    text (`python -m common.config`); a test keeps it current."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the settings' own docs by `.venv/bin/python -m common.config` (do not",
+        "edit by hand). Every setting has one name: its TOML key (at the top of the file given",
+        "with `--config`, or in its section's table), its flag (`--name-with-dashes`) and its",
+        f"environment variable (`{ENV_PREFIX}NAME`). Precedence, lowest first: the default <",
+        "the config file < the environment < flags.",
+    ]
+    for command, cls in daemons.items():
+        lines += ["", f"## {command}"]
+        by_section: dict[str, list[Setting]] = {}
+        for setting in settings(cls).values():
+            by_section.setdefault(setting.section, []).append(setting)
+        kinds = sections(cls)
+        for section, members in by_section.items():
+            title = f"`[{section}]`" if section else "top level"
+            about = " ".join((inspect.getdoc(kinds[section]) or "").split()) if section else ""
+            lines += ["", f"### {title}", ""] + ([about, ""] if about else [])
+            lines += ["| setting | default | what it does |", "| --- | --- | --- |"]
+            for s in members:
+                default = "" if s.default in ("", None) else f"`{s.default!r}`"
+                lines.append(f"| `{s.name}` | {default} | {s.doc.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """argparse, but a bad flag ends in one line, like a bad TOML or environment value: the
     daemons have dozens of flags, and their usage would bury the error."""
@@ -331,3 +362,20 @@ def address_list(text: str, setting: str) -> list[str]:
         if ":" not in address:
             raise ValueError(f"{setting} must be host:port, got {address!r}")
     return addresses
+
+
+def _daemons() -> dict[str, type]:
+    """The daemons whose settings the reference lists (imported here: they import this)."""
+    from learner.config import LearnerConfig
+    from server.config import ServerConfig
+
+    return {"diloco-server": ServerConfig, "diloco-learner": LearnerConfig}
+
+
+if __name__ == "__main__":
+    import pathlib
+    import sys
+
+    target = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "docs/configuration.md")
+    target.write_text(reference(_daemons()))
+    print(f"wrote {target}")

@@ -1,16 +1,15 @@
 """The aggregator: the rules of a run, free of gRPC so that every rule is unit-testable.
 
-`Aggregator` is a thin coordinator, under one lock, of:
+`Aggregator` coordinates, under one lock:
 
-- `Membership` (server/membership.py): sessions, leases, and where the learners' schedule
-  stands;
-- `GlobalParams` (server/global_params.py): the model fingerprint fixed by the first learner
-  and one `FragmentState` (server/fragment.py) per fragment: the global parameters, their
-  version, the outer optimizer state and the open round;
-- one round policy (server/rounds.py), picked once from the mode: which pushes a round takes,
-  when it closes, what each push weighs, and which outer optimizer the fragments use;
-- `PushIntake` (server/intake.py): the rules a push must pass before it counts;
-- `Persistence` (server/persistence.py): the state dir's snapshots and log of outer steps.
+- `Learners` (learners.py): every learner's session, lease, reports and pushes;
+- `GlobalParams` (state/params.py): the model fingerprint fixed by the first learner and one
+  `FragmentState` (state/fragment.py) per fragment: the global parameters, their version,
+  the outer optimizer state, the open round and the update log;
+- `Admission` (rounds/admission.py): what a push must pass and what it weighs;
+- one round policy (rounds/policy.py), picked once from the mode: when a round closes, and
+  the close (its mean logged, then the outer step);
+- `Persistence` (state/store.py): the state dir's snapshots and log of outer steps.
 
 A learner whose lease expires or who leaves stops counting, so a dead learner never stalls
 the others. All methods are thread-safe; `wait_for_version` lets callers (the PullParams
@@ -30,20 +29,35 @@ import torch
 
 from common.errors import FailedPrecondition, InvalidArgument
 from server.config import AggregatorSections
-from server.events import AggregatorEvents
-from server.fragment import FragmentState, PullResult, RoundSummary
-from server.global_params import GlobalParams, ParamSpec, check_fingerprint
-from server.influence import check_tokens_per_step
-from server.ingest import DenseBody, PushBody
-from server.intake import PushIntake, PushRefused, check_shapes
-from server.membership import Membership, Session
-from server.persistence import Persistence, Restored, state_identity
-from server.rounds import round_policy
-from server.sharding import ShardMap
+from server.learners import Learner, Learners
+from server.rounds.admission import Admission, PushRefused, check_shapes, check_tokens_per_step
+from server.rounds.ingest import DenseBody, PushBody
+from server.rounds.policy import round_policy
+from server.state.fragment import FragmentState, PullResult
+from server.state.params import GlobalParams, ParamSpec, ShardMap, check_fingerprint
+from server.state.store import Persistence, Restored, state_identity
 
-__all__ = ["Aggregator", "JoinResult"]
+__all__ = ["Aggregator", "AggregatorEvents", "JoinResult"]
 
 log = logging.getLogger(__name__)
+
+
+class AggregatorEvents:
+    """What the aggregator reports as it works, for metrics (server/rpc/metrics.py); this
+    default ignores it all. Called under the aggregator's lock: a listener must be quick and
+    must not call back into the aggregator."""
+
+    def contribution(self, staleness_versions: int) -> None:
+        """A pseudo-gradient was accepted, computed this many versions behind the global."""
+
+    def round_closed(self, contributors: int, round_s: float, outer_step_s: float) -> None:
+        """A round closed: how many pushes it took, how long it stayed open, the outer step."""
+
+    def influence_bounded(self, action: str) -> None:
+        """One push was bounded: weight_capped, norm_clipped or claim_refused."""
+
+    def snapshot_written(self, seconds: float) -> None:
+        """A durable snapshot of the whole state was written."""
 
 
 @dataclass(frozen=True)
@@ -54,134 +68,47 @@ class JoinResult:
     lease_s: float
     mode: str
     layout: str
-    schedule_step: int = 0  # policy.estimated_schedule_step of the other live learners
-    shard_map: ShardMap | None = None  # which shard owns each fragment (server/sharding.py)
+    schedule_step: int = 0  # where the other live learners' schedule is now
+    shard_map: ShardMap | None = None  # which shard owns each fragment
 
 
-class Aggregator:
-    """Coordinates the parts named in the module docstring, under one lock."""
+class Readings:
+    """What callers may read of the aggregator's state, each read under its lock; the
+    Aggregator below changes that state."""
 
-    def __init__(
-        self,
-        config: AggregatorSections,
-        clock: Callable[[], float] = time.monotonic,
-        events: AggregatorEvents | None = None,
-    ) -> None:
-        self.config = config
-        self.events = events or AggregatorEvents()
-        self.server_epoch = secrets.randbits(63)
-        self._clock = clock
-        self._cond = threading.Condition()
-        self._members = Membership(config.membership, clock)
-        self._rounds = round_policy(config.rounds, config.outer, clock)
-        self._params = GlobalParams(
-            config.streaming, self._rounds.new_outer, config.sharding, config.outer.sparse_mean
-        )
-        self._intake = PushIntake(self._members, self._params, self._rounds, self.events)
-        identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
-        self._persistence = Persistence(config.persistence, identity, self.events)
-        if (restored := self._persistence.restore()) is not None and self.resume(restored):
-            # Said out loud: from float32 the conversion loses precision for good (the next
-            # snapshot is in the new dtype), and the default is bfloat16 in sync/quorum.
-            log.warning(
-                "outer state (momentum, pull residual) of the state dir converted to %s "
-                "(outer_state_dtype); give --outer-state-dtype to keep another",
-                config.outer.outer_state_dtype,
-            )
-            # The state dtype changed: a snapshot now, so that the log's next records follow
-            # a snapshot in the dtype they are made in (a replay runs in the snapshot's).
-            with self._cond:
-                self._snapshot()
-
-    def resume(self, restored: Restored) -> bool:
-        """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's);
-        True if their state is now kept in another dtype than the state dir's."""
-        with self._cond:
-            return self._params.restore(restored, self._rounds.before_replay)
-
-    def checkpoint(self) -> None:
-        """Write a snapshot now (at shutdown, so a restart replays nothing)."""
-        with self._cond:
-            if self._params.fingerprint is not None:
-                self._snapshot()
-                self._persistence.close()
-
-    def join(
-        self, learner_id: str, fingerprint: Sequence[ParamSpec], tokens_per_step: int = 0
-    ) -> JoinResult:
-        """Open a session; the first fingerprint fixes the model, tokens_per_step the claims."""
-        if not learner_id:
-            raise InvalidArgument("learner_id must not be empty")
-        specs = check_fingerprint(fingerprint)
-        check_tokens_per_step(tokens_per_step)
-        with self._cond:
-            self._params.adopt(specs)
-            for old in self._members.of_learner(learner_id):
-                self._drop(old, "rejoined")
-            schedule_step = self._members.schedule_estimate()
-            session = self._members.open(learner_id, tokens_per_step)
-            return JoinResult(
-                session_id=session.session_id,
-                server_epoch=self.server_epoch,
-                fragments=self._params.layout(),
-                lease_s=self._members.lease_s,
-                mode=self._rounds.mode,
-                layout=self.config.streaming.layout,
-                schedule_step=schedule_step,
-                shard_map=self._params.shard_map,
-            )
-
-    def heartbeat(
-        self,
-        session_id: str,
-        step: int = 0,
-        tokens: int = 0,
-        loss: float = float("nan"),
-        step_time_s: float = 0.0,
-        schedule_step: int = 0,
-    ) -> tuple[list[int], int]:
-        """Renew a lease and record progress (a report out of bounds: InvalidArgument, no
-        change); returns (fragment versions, live learners)."""
-        with self._cond:
-            self._members.heartbeat(session_id, step, tokens, loss, step_time_s, schedule_step)
-            return [f.version for f in self._params.fragments], len(self._members.live())
+    _cond: threading.Condition
+    _clock: Callable[[], float]
+    _learners: Learners
+    _params: GlobalParams
 
     def median_step_time_s(self) -> float:
         """The live learners' median reported inner-step time (0: none reported)."""
         with self._cond:
-            return self._members.median_step_time_s()
+            return self._learners.median_step_time_s()
 
     def schedule_estimate(self) -> int:
-        """Where the live learners' schedule is now (server/policy.py); 0: none reported."""
+        """Where the live learners' schedule is now (server/learners.py); 0: none reported."""
         with self._cond:
-            return self._members.schedule_estimate()
+            return self._learners.schedule_estimate()
 
     def schedule_steps(self) -> dict[str, float]:
         """Each reporting learner's schedule step now (differences mod H: phase offsets)."""
         with self._cond:
-            return self._members.schedule_steps()
+            return self._learners.schedule_steps()
 
-    def tick(self) -> None:
-        """Expire leases and close rounds whose grace window has passed (call it often)."""
-        self.expire_leases()
+    def learner_pushes(self) -> list[tuple[str, bool, int, int, float]]:
+        """(learner id, live, fragment, round version, seconds since) of each learner's last
+        accepted push, for the learners live or with a push (fragment and version -1 when
+        none), by id."""
         with self._cond:
-            for fragment in self._params.fragments:
-                self._maybe_close(fragment)
-
-    def leave(self, session_id: str) -> None:
-        """End a session; open rounds no longer wait for it."""
-        with self._cond:
-            session = self._members.get(session_id)
-            if session is not None:
-                self._drop(session, "left")
-
-    def expire_leases(self) -> list[str]:
-        """Drop every session whose lease has run out; returns their learner ids."""
-        with self._cond:
-            expired = self._members.expired()
-            for session in expired:
-                self._drop(session, "lease expired")
-            return [s.learner_id for s in expired]
+            now, rows = self._clock(), []
+            for learner in self._learners.everyone():
+                fid, version, at = learner.last_push or (-1, -1, now)
+                if learner.session_id or learner.last_push:
+                    rows.append(
+                        (learner.learner_id, bool(learner.session_id), fid, version, now - at)
+                    )
+            return rows
 
     def layout(self) -> list[tuple[int, list[int], int]]:
         """(fragment_id, parameter indices, version) of every fragment."""
@@ -194,84 +121,12 @@ class Aggregator:
             return self._params.shard_map, self._params.owned(crc)
 
     def owned_shapes(self) -> list[list[tuple[int, ...]]]:
-        """GlobalParams.owned_shapes."""
         with self._cond:
             return self._params.owned_shapes()
 
     def live_learners(self) -> list[str]:
         with self._cond:
-            return sorted(s.learner_id for s in self._members.live())
-
-    def check_push(
-        self, session_id: str, fragment_id: int, base_version: int, initial: bool = False
-    ) -> list[tuple[int, ...]]:
-        """Validate a push header before its payload is read (a stale or duplicate push is
-        refused without receiving megabytes first); returns the expected shapes."""
-        with self._cond:
-            _, fragment = self._intake.check_header(session_id, fragment_id, base_version, initial)
-            return list(fragment.shapes)
-
-    def initialize(self, session_id: str, fragment_id: int, tensors: list[torch.Tensor]) -> int:
-        """Adopt a learner's initial parameters as version 0 of a fragment that has none."""
-        with self._cond:
-            _, fragment = self._intake.check_header(session_id, fragment_id, -1, initial=True)
-            check_shapes(fragment, [tuple(t.shape) for t in tensors])
-            fragment.initialize(tensors)
-            self._snapshot()  # durable before anyone can pull it
-            self._cond.notify_all()
-            return 0
-
-    def push(
-        self,
-        session_id: str,
-        fragment_id: int,
-        base_version: int,
-        tensors: Sequence[torch.Tensor] | PushBody | DenseBody,
-        tokens: int = 0,
-        inner_steps: int = 0,
-    ) -> int:
-        """Add a pseudo-gradient (decoded, or a PushBody checked in its wire encoding outside
-        the lock and decoded straight into the round's sum, server/ingest.py) to the open
-        round; returns the version it helps produce (the learner waits for that one)."""
-        body = tensors if isinstance(tensors, (PushBody, DenseBody)) else DenseBody(tensors)
-        adds, ticket, nothing_queued = None, None, False
-        try:
-            with self._cond:
-                session, fragment = self._intake.check_header(
-                    session_id, fragment_id, base_version, initial=False
-                )
-                adds = fragment.round.adds  # this round's, though the push may close it
-                try:
-                    ticket = self._intake.add(
-                        session, fragment, base_version, body, tokens, inner_steps, add_later=True
-                    )
-                except PushRefused as err:
-                    self._maybe_close(fragment)  # it may have been the round's last learner
-                    raise FailedPrecondition(f"push refused: {err}") from err
-                nothing_queued = ticket is None
-                self.events.contribution(fragment.version - base_version)
-                round_version = fragment.version + 1
-                self._maybe_close(fragment)
-        finally:
-            if adds is not None and not nothing_queued:
-                # The pushes queued to add together, this one among them (FragmentState.add),
-                # added now that other pushes can be counted meanwhile (server/round_adds.py).
-                adds.run()
-        if ticket is not None:
-            ticket.check()
-        return round_version
-
-    def settle_deferred(self) -> None:
-        """Add every round's deferred pushes now, giving their buffers back (the push budget
-        asks when a push finds no room: server/receive.py)."""
-        with self._cond:
-            for fragment in self._params.fragments:
-                fragment.settle()
-
-    def session_learner(self, session_id: str) -> str:
-        """The learner id that opened the session; NotFound when there is none."""
-        with self._cond:
-            return self._members.renew(session_id).learner_id
+            return sorted(learner.learner_id for learner in self._learners.live())
 
     def has_fragment(self, fragment_id: int) -> bool:
         with self._cond:
@@ -296,58 +151,242 @@ class Aggregator:
         with self._cond:
             self._cond.notify_all()
 
-    def pull(self, session_id: str, fragment_id: int, have_version: int) -> PullResult:
-        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""
-        with self._cond:
-            self._members.renew(session_id)
-            fragment = self._params.fragment(fragment_id)
-            if fragment.params is None:
-                raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
-            return fragment.pull(have_version)
-
     def params(self, fragment_id: int) -> list[torch.Tensor]:
         """A copy of a fragment's global parameters (for tests and checkpoints)."""
         with self._cond:
             fragment = self._params.fragment(fragment_id)
             return [p.clone() for p in fragment.params or []]
 
+
+class Aggregator(Readings):
+    """Coordinates the parts named in the module docstring, under one lock."""
+
+    def __init__(
+        self,
+        config: AggregatorSections,
+        clock: Callable[[], float] = time.monotonic,
+        events: AggregatorEvents | None = None,
+    ) -> None:
+        self.config = config
+        self.events = events or AggregatorEvents()
+        self.server_epoch = secrets.randbits(63)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._learners = Learners(config.membership, clock)
+        self._policy = round_policy(config.rounds, config.outer, clock)
+        self._params = GlobalParams(
+            config.streaming, self._policy.new_outer, config.sharding, config.outer.sparse_mean
+        )
+        self._admission = Admission(config.rounds, self._policy, self.events, clock)
+        identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
+        self._store = Persistence(config.persistence, identity, self.events)
+        if (restored := self._store.restore()) is not None and self.resume(restored):
+            # Said out loud: from float32 the conversion loses precision for good (the next
+            # snapshot is in the new dtype), and the default is bfloat16 in sync/quorum.
+            log.warning(
+                "outer state (momentum, pull residual) of the state dir converted to %s "
+                "(outer_state_dtype); give --outer-state-dtype to keep another",
+                config.outer.outer_state_dtype,
+            )
+            # A snapshot now, so that the log's next records follow a snapshot in the dtype
+            # they are made in (a replay runs in the snapshot's).
+            with self._cond:
+                self._snapshot()
+
+    def resume(self, restored: Restored) -> bool:
+        """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's);
+        True if their state is now kept in another dtype than the state dir's."""
+        with self._cond:
+            return self._params.restore(restored, self._policy.before_replay)
+
+    def checkpoint(self) -> None:
+        """Write a snapshot now (at shutdown, so a restart replays nothing)."""
+        with self._cond:
+            if self._params.fingerprint is not None:
+                self._snapshot()
+                self._store.close()
+
+    def join(
+        self, learner_id: str, fingerprint: Sequence[ParamSpec], tokens_per_step: int = 0
+    ) -> JoinResult:
+        """Open a session; the first fingerprint fixes the model, tokens_per_step the claims."""
+        if not learner_id:
+            raise InvalidArgument("learner_id must not be empty")
+        specs = check_fingerprint(fingerprint)
+        check_tokens_per_step(tokens_per_step)
+        with self._cond:
+            self._params.adopt(specs)
+            known = self._learners.get(learner_id)
+            if known is not None and known.session_id:
+                self._drop(known, "rejoined")
+            schedule_step = self._learners.schedule_estimate()
+            learner = self._learners.open(learner_id, tokens_per_step)
+            return JoinResult(
+                session_id=learner.session_id,
+                server_epoch=self.server_epoch,
+                fragments=self._params.layout(),
+                lease_s=self._learners.lease_s,
+                mode=self._policy.mode,
+                layout=self.config.streaming.layout,
+                schedule_step=schedule_step,
+                shard_map=self._params.shard_map,
+            )
+
+    def heartbeat(
+        self,
+        session_id: str,
+        step: int = 0,
+        tokens: int = 0,
+        loss: float = float("nan"),
+        step_time_s: float = 0.0,
+        schedule_step: int = 0,
+    ) -> tuple[list[int], int]:
+        """Renew a lease and record progress (a report out of bounds: InvalidArgument, no
+        change); returns (fragment versions, live learners)."""
+        with self._cond:
+            self._learners.heartbeat(session_id, step, tokens, loss, step_time_s, schedule_step)
+            return [f.version for f in self._params.fragments], len(self._learners.live())
+
+    def tick(self) -> None:
+        """Expire leases and close rounds whose grace window has passed (call it often)."""
+        self.expire_leases()
+        with self._cond:
+            for fragment in self._params.fragments:
+                self._maybe_close(fragment)
+
+    def leave(self, session_id: str) -> None:
+        """End a session; open rounds no longer wait for it."""
+        with self._cond:
+            learner = self._learners.of_session(session_id)
+            if learner is not None:
+                self._drop(learner, "left")
+
+    def expire_leases(self) -> list[str]:
+        """Drop every session whose lease has run out; returns their learner ids."""
+        with self._cond:
+            expired = self._learners.expired()
+            for learner in expired:
+                self._drop(learner, "lease expired")
+            return [learner.learner_id for learner in expired]
+
+    def check_push(
+        self, session_id: str, fragment_id: int, base_version: int, initial: bool = False
+    ) -> list[tuple[int, ...]]:
+        """Validate a push header before its payload is read (a stale or duplicate push is
+        refused without receiving megabytes first); returns the expected shapes."""
+        with self._cond:
+            return list(self._checked(session_id, fragment_id, base_version, initial)[1].shapes)
+
+    def initialize(self, session_id: str, fragment_id: int, tensors: list[torch.Tensor]) -> int:
+        """Adopt a learner's initial parameters as version 0 of a fragment that has none."""
+        with self._cond:
+            _, fragment = self._checked(session_id, fragment_id, -1, initial=True)
+            check_shapes(fragment_id, fragment.shapes, [tuple(t.shape) for t in tensors])
+            fragment.initialize(tensors)
+            self._snapshot()  # durable before anyone can pull it
+            self._cond.notify_all()
+            return 0
+
+    def push(
+        self,
+        session_id: str,
+        fragment_id: int,
+        base_version: int,
+        tensors: Sequence[torch.Tensor] | PushBody | DenseBody,
+        tokens: int = 0,
+        inner_steps: int = 0,
+    ) -> int:
+        """Add a pseudo-gradient (decoded, or a PushBody checked in its wire encoding outside
+        the lock and decoded straight into the round's sum, rounds/ingest.py) to the open
+        round; returns the version it helps produce (the learner waits for that one)."""
+        body = tensors if isinstance(tensors, (PushBody, DenseBody)) else DenseBody(tensors)
+        adds, ticket, nothing_queued = None, None, False
+        try:
+            with self._cond:
+                learner, fragment = self._checked(session_id, fragment_id, base_version, False)
+                adds = fragment.round.adds  # this round's, though the push may close it
+                live = self._learners.live()
+                try:
+                    ticket = self._admission.admit(
+                        learner, fragment, base_version, body, tokens, inner_steps, live, True
+                    )
+                except PushRefused as err:
+                    self._maybe_close(fragment)  # it may have been the round's last learner
+                    raise FailedPrecondition(f"push refused: {err}") from err
+                nothing_queued = ticket is None
+                round_version = fragment.version + 1
+                self._maybe_close(fragment)
+        finally:
+            if adds is not None and not nothing_queued:
+                # The pushes queued to add together, this one among them (Round.add), added
+                # now that other pushes can be counted meanwhile (rounds/round.py).
+                adds.run()
+        if ticket is not None:
+            ticket.check()
+        return round_version
+
+    def settle_deferred(self) -> None:
+        """Add every round's deferred pushes now, giving their buffers back (the push budget
+        asks when a push finds no room: server/rpc/receive.py)."""
+        with self._cond:
+            for fragment in self._params.fragments:
+                fragment.round.settle()
+
+    def session_learner(self, session_id: str) -> str:
+        """The learner id that opened the session, its lease renewed; NotFound when none."""
+        with self._cond:
+            return self._learners.renew(session_id).learner_id
+
+    def pull(self, session_id: str, fragment_id: int, have_version: int) -> PullResult:
+        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""
+        with self._cond:
+            self._learners.renew(session_id)
+            fragment = self._params.fragment(fragment_id)
+            if fragment.params is None:
+                raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
+            return fragment.pull(have_version)
+
     # -- internals (call with the lock held) ---------------------------------------------
 
-    def _drop(self, session: Session, why: str) -> None:
+    def _checked(
+        self, session_id: str, fragment_id: int, base_version: int, initial: bool
+    ) -> tuple[Learner, FragmentState]:
+        """The push's learner (its lease renewed) and fragment, once its header passed."""
+        learner = self._learners.renew(session_id)
+        fragment = self._params.fragment(fragment_id)
+        self._admission.check_header(learner, fragment, base_version, initial)
+        return learner, fragment
+
+    def _drop(self, learner: Learner, why: str) -> None:
         # Its excuses go (a rejoin starts clean); its accepted pushes stay in their rounds.
-        self._members.remove(session, why)
+        self._learners.close(learner, why)
         for fragment in self._params.fragments:
-            fragment.round.excused.discard(session.learner_id)
+            fragment.round.forget(learner.learner_id)
             self._maybe_close(fragment)
 
     def _maybe_close(self, fragment: FragmentState) -> None:
-        """Close the round if the mode's policy says so (server/rounds.py)."""
-        rnd = fragment.round
+        """Close the round if the mode's policy says so (rounds/policy.py)."""
+        opened_at = fragment.round.opened_at
 
-        def record(mean: list[torch.Tensor], outer_setting: int) -> None:
-            # Durable before the lock is released and the version served.
-            self._persistence.record(fragment.fragment_id, fragment.version, mean, outer_setting)
+        def record(version: int, mean: list[torch.Tensor], outer_setting: int) -> None:
+            self._store.record(fragment.fragment_id, version, mean, outer_setting)
 
-        summary = self._rounds.close_if_ready(fragment, self._members.live(), record)
+        summary = self._policy.close(fragment, self._learners.live(), record)
         if summary is None:
             return
-        round_s = self._clock() - rnd.opened_at if rnd.opened_at is not None else 0.0
+        round_s = self._clock() - opened_at if opened_at is not None else 0.0
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
-        if self._persistence.round_closed():
+        if self._store.round_closed():
             self._snapshot()
-        _log_round(fragment.fragment_id, summary)
+        log.info(
+            "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
+            fragment.fragment_id,
+            summary.version,
+            summary.contributors,
+            summary.tokens,
+            summary.outer_step_s,
+        )
         self._cond.notify_all()
 
     def _snapshot(self) -> None:
-        self._persistence.snapshot(self._params.fingerprint or [], self._params.fragments)
-
-
-def _log_round(fragment_id: int, summary: RoundSummary) -> None:
-    log.info(
-        "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
-        fragment_id,
-        summary.version,
-        summary.contributors,
-        summary.tokens,
-        summary.outer_step_s,
-    )
+        self._store.snapshot(self._params.fingerprint or [], self._params.fragments)

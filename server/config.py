@@ -1,117 +1,37 @@
 """The server's settings: one small section per component, each validated on construction.
 
-    config = build_config(AggregatorConfig, {"mode": "quorum", "fragments": 2})
-    config = aggregator_config(mode="quorum", fragments=2)   # the same, for tests and benches
-    Aggregator(config)   # reads membership, rounds, outer, streaming, persistence
-    AggregatorService(build_config(ServerConfig, {"listen": "127.0.0.1:0", "insecure": True}))
+    config = build_config(ServerConfig, {"listen": "127.0.0.1:0", "insecure": True})
+    config = aggregator_config(mode="quorum", fragments=2)   # the Aggregator's sections alone
+    Aggregator(config)   # reads membership, rounds, outer, streaming, persistence, sharding
 
-Each section's `__post_init__` raises ValueError naming the field to fix; what spans sections
-is checked by the daemon config that holds them. Every setting keeps one flat name, unique
-across the sections: its flag, its DILOCO_* variable and its TOML key, at the top of the file
-or in its section's table (common/config.py).
+Each component owns its section (MembershipConfig: learners.py; RoundsConfig:
+rounds/policy.py; OuterConfig: rounds/outer.py; ShardingConfig: state/params.py;
+PersistenceConfig: state/store.py; NetworkConfig: rpc/auth.py; LimitsConfig: rpc/limits.py),
+whose `__post_init__` raises ValueError naming the field to fix; the daemon configs here hold
+them and check what spans them. Every setting keeps one flat name, unique across the
+sections: its flag, its DILOCO_* variable and its TOML key, at the top of the file or in its
+section's table (common/config.py). `outer_recipe` gives the best recipe's values for the
+settings a user leaves unset.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.codec.sparse import DEFAULT_TOPK_FRACTION
-from common.codec.tensor import CODECS
-from common.config import address_list, build_config
+from common.codec.tensor import CODECS, is_sparse
+from common.config import build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
-from server.influence import ROBUST_MERGES
-from server.network_config import LimitsConfig, NetworkConfig
-from server.outer_config import OuterConfig, outer_recipe
-from server.policy import MODES, WEIGHTINGS
-
-
-@dataclass(kw_only=True)
-class MembershipConfig:
-    """Learners' sessions and leases (server/membership.py)."""
-
-    lease_s: float = 10.0
-    """A learner that neither heartbeats nor calls for this long is dropped from rounds."""
-
-    def __post_init__(self) -> None:
-        if not self.lease_s > 0:
-            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
-
-
-@dataclass(kw_only=True)
-class RoundsConfig:
-    """When a round closes, what a push weighs and which pushes are refused (server/rounds.py)."""
-
-    mode: str = "sync"
-    """sync (round closes when every live learner pushed), quorum or async (server/rounds.py)."""
-    min_contributors: int = 1
-    """K: a round closes only once at least this many learners pushed to it (in sync mode,
-    also every live learner): in sync mode, the expected count makes everyone start together."""
-    grace_steps: float = 5.0
-    """quorum: after K pushes, wait this many median inner-step times for more."""
-    grace_min_s: float = 0.0
-    """quorum: the shortest grace window (also used before any learner reported step times)."""
-    grace_max_s: float = 10.0
-    """quorum: the longest grace window."""
-    weighting: str = ""
-    """equal, tokens or tokens_squared_per_step (default: equal in sync mode, else the last)."""
-    scale_partial_rounds: bool = True
-    """quorum: a round that carries only part of the live learners' usual weight moves the
-    model by that part (missing work counts as zero), so closing rounds early and often does
-    not make the outer step larger. Off: every round takes the plain weighted mean."""
-    max_staleness: int = 4
-    """quorum/async: refuse a push computed against a version more than this many behind."""
-    async_momentum_every: int = 0
-    """async: Delayed Nesterov applies momentum every N pushes (0: N = live learners)."""
-    max_norm_ratio: float = 10.0
-    """Refuse a push whose pseudo-gradient norm exceeds this many times the median of the
-    fragment's recent accepted pushes (a poisoned or exploding update); 0: off."""
-    max_weight_ratio: float = 4.0
-    """A push weighs at most this many times the median of the other live learners' last
-    weights, whatever tokens it claims (server/influence.py); 0: off. 4 lets an honest
-    learner do twice the median's tokens per step under tokens_squared_per_step."""
-    robust_merge: str = "none"
-    """none (the weighted mean), trimmed-mean (value by value, drop the trim_fraction
-    largest and smallest of a round's pushes; sync and quorum modes) or clip-to-median
-    (scale each push down to the fragment's recent median norm): for untrusted learners."""
-    trim_fraction: float = 0.2
-    """trimmed-mean: the share of a round's K pushes dropped at each end, at least one when
-    K >= 3 (server/influence.py)."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if not self.weighting:
-            self.weighting = "equal" if self.mode == "sync" else "tokens_squared_per_step"
-        if self.weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"weighting must be one of {', '.join(WEIGHTINGS)}, got {self.weighting!r}"
-            )
-        if self.min_contributors < 1:
-            raise ValueError(f"min_contributors must be >= 1, got {self.min_contributors}")
-        if not 0 <= self.grace_min_s <= self.grace_max_s:
-            raise ValueError("grace_min_s and grace_max_s must satisfy 0 <= min <= max")
-        if self.grace_steps < 0 or self.max_staleness < 0 or self.async_momentum_every < 0:
-            raise ValueError("grace_steps, max_staleness and async_momentum_every must be >= 0")
-        if not self.max_norm_ratio >= 0:
-            raise ValueError(f"max_norm_ratio must be >= 0, got {self.max_norm_ratio}")
-        if not (self.max_weight_ratio == 0 or 1 <= self.max_weight_ratio < math.inf):
-            raise ValueError(
-                f"max_weight_ratio must be 0 (off) or >= 1, got {self.max_weight_ratio}"
-            )
-        if self.robust_merge not in ROBUST_MERGES:
-            raise ValueError(
-                f"robust_merge must be one of {', '.join(ROBUST_MERGES)}, got {self.robust_merge!r}"
-            )
-        if self.robust_merge == "trimmed-mean" and self.mode == "async":
-            raise ValueError(
-                "robust_merge trimmed-mean needs rounds of several pushes (sync or quorum "
-                "mode); in async mode use clip-to-median"
-            )
-        if not 0 < self.trim_fraction < 0.5:
-            raise ValueError(f"trim_fraction must be in (0, 0.5), got {self.trim_fraction}")
+from server.learners import MembershipConfig
+from server.rounds.outer import OuterConfig
+from server.rounds.policy import RoundsConfig
+from server.rpc.auth import NetworkConfig
+from server.rpc.limits import LimitsConfig
+from server.state.params import ShardingConfig
+from server.state.store import PersistenceConfig
 
 
 @dataclass(kw_only=True)
@@ -157,54 +77,6 @@ class StreamingConfig:
 
 
 @dataclass(kw_only=True)
-class PersistenceConfig:
-    """The state directory: snapshots and the log of outer steps (server/persistence.py)."""
-
-    state_dir: str = ""
-    """Directory for snapshots and the update log; empty keeps state in memory only."""
-    snapshot_every_versions: int = 100
-    """Write a full snapshot (and start a new log) once the log holds this many closed rounds
-    (those a restart replayed count too)."""
-
-    def __post_init__(self) -> None:
-        if self.snapshot_every_versions < 1:
-            raise ValueError(
-                f"snapshot_every_versions must be >= 1, got {self.snapshot_every_versions}"
-            )
-
-
-@dataclass(kw_only=True)
-class ShardingConfig:
-    """The aggregator as shard i of N: each owns some fragments (server/sharding.py)."""
-
-    shard_index: int = 0
-    """This server's index among the shards, from 0."""
-    shard_count: int = 1
-    """N, the number of shards the fragments are spread over (1: one server holds them all)."""
-    shard_addresses: str = ""
-    """host:port of every shard, in index order, comma-separated: the addresses learners
-    given one shard's address discover (DescribeShards). Empty: learners must list them."""
-
-    def __post_init__(self) -> None:
-        if self.shard_count < 1:
-            raise ValueError(f"shard_count must be >= 1, got {self.shard_count}")
-        if not 0 <= self.shard_index < self.shard_count:
-            raise ValueError(
-                f"shard_index must be in [0, shard_count) = [0, {self.shard_count}), "
-                f"got {self.shard_index}"
-            )
-        addresses = self.addresses()
-        if addresses and len(addresses) != self.shard_count:
-            raise ValueError(
-                f"shard_addresses lists {len(addresses)} addresses; it must list all "
-                f"{self.shard_count} shards, in index order"
-            )
-
-    def addresses(self) -> list[str]:
-        return address_list(self.shard_addresses, "shard_addresses")
-
-
-@dataclass(kw_only=True)
 class ObservabilityConfig:
     """Logging and the Prometheus endpoint."""
 
@@ -217,6 +89,42 @@ class ObservabilityConfig:
 
     def __post_init__(self) -> None:
         check_listen("metrics_listen", self.metrics_listen)
+
+
+# ---- Recipes -----------------------------------------------------------------------------
+
+# The best recipe for sparse pull codecs: the averaged pushes applied at three times their size, no
+# outer momentum, and a pull that keeps twice the push's default fraction. Sparse pushes carry
+# their own momentum in the learners' decayed error-feedback residual (learner
+# --push-feedback-decay, SparseLoCo); a server momentum on top of it, behind a pull that sends
+# 1/64 of each chunk a round, keeps pushing along directions the learners have not been sent
+# yet and diverges. The mean of K top-k pushes is denser than each; a pull of 1/32 carries it
+# with less delay. Over three seeds outer lr 3 had the best mean (1.2% ahead of 2, within one
+# standard deviation; 6.7% ahead of 1); 4 was worse than 1 on seed 0 (docs/RESULTS.md,
+# "Headline rows").
+SPARSE_OUTER = {"outer_lr": 3.0, "outer_momentum": 0.0, "outer_momentum_warmup_rounds": 0}
+SPARSE_PULL_TOPK_FRACTION = 2 * DEFAULT_TOPK_FRACTION
+
+# The outer state in float32: torch's SGD exactly. The best recipe keeps it in bfloat16 (a
+# quarter less server memory with 4-bit pulls, no quality cost measured over three seeds) where
+# that was measured: sync and quorum modes with dense pulls. The sparse codecs' step keeps
+# most of each update in the pull residual for many rounds and was measured in float32 only.
+EXACT_STATE = {"outer_state_dtype": "float32"}
+
+
+def outer_recipe(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The outer settings of the recipe named in `values` (the dataclass defaults are best,
+    less the momentum warm-up and the bfloat16 state in async mode, which has no rounds to
+    warm up over and keeps float32, and with SPARSE_OUTER's step, in float32, for the sparse
+    pull codecs)."""
+    if values.get("recipe") == "paper":
+        return {**EXACT_STATE, "outer_momentum_warmup_rounds": 0, "pull_codec": "fp4_e3m0"}
+    pull_codec = values.get("pull_codec")
+    if is_sparse(pull_codec):
+        return {**SPARSE_OUTER, **EXACT_STATE, "pull_topk_fraction": SPARSE_PULL_TOPK_FRACTION}
+    if values.get("mode") == "async":
+        return {**EXACT_STATE, "outer_momentum_warmup_rounds": 0}
+    return {}
 
 
 class AggregatorSections(Protocol):

@@ -14,9 +14,13 @@ import threading
 
 from common.config import config_parser, parse_command_line
 from common.metrics_http import serve_metrics
-from server.app import AggregatorService
 from server.config import ServerConfig
-from server.runtime import limit_malloc_arenas, single_threaded_torch, start_malloc_trimmer
+from server.rpc.service import (
+    AggregatorService,
+    limit_malloc_arenas,
+    single_threaded_torch,
+    start_malloc_trimmer,
+)
 
 
 def parse_config(argv: list[str], environ: dict[str, str] | None = None) -> ServerConfig:
@@ -33,12 +37,12 @@ def main() -> None:
     config = parse_command_line(parser, ServerConfig)
     observability = config.observability
     logging.basicConfig(level=observability.log_level, format="%(asctime)s %(name)s %(message)s")
-    limit_malloc_arenas()  # before the server's threads start allocating (server/runtime.py)
+    limit_malloc_arenas()  # before the server's threads start allocating (server/rpc/service.py)
     single_threaded_torch()
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    start_malloc_trimmer(stop)  # bounded RSS under many learners (server/runtime.py)
+    start_malloc_trimmer(stop)  # bounded RSS under many learners (server/rpc/service.py)
     try:
         service = AggregatorService(config)
         if observability.metrics_listen:

@@ -41,8 +41,8 @@ from common.errors import AlreadyExists, FailedPrecondition, NotFound
 from learner.streaming import Schedule
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
-from server.policy import grace_window_s
+from server.rounds.policy import grace_window_s
+from server.state.params import ParamSpec
 
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
 

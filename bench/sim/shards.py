@@ -40,7 +40,7 @@ from pathlib import Path
 from bench.sim.engine import Link
 from bench.sim.model import ModelSpec
 from bench.sim.throughput import Method, Scenario, fragment_plan, gradient_ready_s
-from server.sharding import fragment_owners
+from server.state.params import fragment_owners
 
 INGEST_RESULTS = Path(__file__).resolve().parent.parent / "results" / "ingest.json"
 

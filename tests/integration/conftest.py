@@ -10,8 +10,8 @@ import pytest
 
 from common.config import build_config
 from deploy.launcher import Daemon
-from server.app import AggregatorService
 from server.config import ServerConfig
+from server.rpc.service import AggregatorService
 from tests.support.processes import learner_process, server_process
 
 

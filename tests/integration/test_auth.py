@@ -13,7 +13,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import wait_until
 from common.rpc import LEARNER_ID_HEADER, create_channel
-from server.auth import add_token
+from server.rpc.auth import add_token
 from tests.support.processes import learner_log, server_process
 
 SPECS = [pb.ParamSpec(name="w", shape=[4], dtype="float32")]

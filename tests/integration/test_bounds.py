@@ -20,7 +20,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import wait_until
 from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME, create_channel
-from server.auth import add_token
+from server.rpc.auth import add_token
 from tests.support.processes import metric
 
 
@@ -155,7 +155,11 @@ def test_a_pull_whose_reader_stops_reading_is_cut(start_server_process) -> None:
         wait_until(lambda: metric(server, cut, reason="idle") == 1, 20, "cut")
         with pytest.raises(grpc.RpcError) as err:
             list(pull)  # what the transport had taken, then the status
-        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # A reader that resumes within END_GRACE_S of the cut gets the reason; a send still
+        # stuck then is cancelled (gRPC's public API ends a call from outside with no other
+        # status): server/rpc/calls.py.
+        ended = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+        assert err.value.code() in ended
 
 
 # -- deadlines for streams, streams per connection, revocation --------------------------

@@ -20,7 +20,7 @@ from learner.data import BatchSampler, load_corpus
 from learner.model import GPT, GPTConfig
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
+from server.state.params import ParamSpec
 from tests.support.processes import REPO, learner_log
 
 EXPORT = [sys.executable, "-m", "server.export"]  # what the diloco-export console script runs

@@ -24,9 +24,9 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from learner.main import parse_config as learner_config
 from learner.trainer import Learner
 from server.aggregator import Aggregator
-from server.app import AggregatorService
-from server.global_params import ParamSpec
 from server.main import parse_config as server_config
+from server.rpc.service import AggregatorService
+from server.state.params import ParamSpec
 from tests.support.fakes import FakeClock
 
 OUTER_STEPS = 4

@@ -14,7 +14,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.retry import retry_after_s, wait_until
 from common.rpc import LEARNER_ID_HEADER, create_channel
-from server.receive import auto_budget_bytes
+from server.rpc.receive import auto_budget_bytes
 from tests.support.processes import metric
 
 VALUES = 2 << 20  # an 8 MiB fp32 fragment

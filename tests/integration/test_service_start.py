@@ -12,8 +12,8 @@ import pytest
 
 from common.config import build_config
 from common.rpc import create_health_server, create_server
-from server.app import AggregatorService
 from server.config import ServerConfig
+from server.rpc.service import AggregatorService
 from tests.support.processes import REPO
 
 

@@ -16,7 +16,7 @@ from common.generated.diloco.v1 import aggregator_pb2 as pb
 from deploy import status
 from learner.client import AggregatorClient
 from learner.shards import SEP, NotConnected, ShardedClient, ShardMapError
-from server.export_state import merge, read_state_params
+from server.export import merge, read_state_params
 from tests.support.processes import learner_process
 
 SHAPES = [(4, 8), (8, 8), (2, 8)]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import grpc
 import torch
-from grpc import _common
 
-from server.global_params import ParamSpec
+from server.state.fragment import FragmentState
+from server.state.params import ParamSpec
 
 SHAPES = [(3, 4), (5,)]
 FINGERPRINT = [ParamSpec(f"p{i}", s, "float32") for i, s in enumerate(SHAPES)]
@@ -25,21 +23,25 @@ class FakeClock:
 
 
 class FakeServicerContext:
-    """What the server's interceptors use of a call's context; records how the call was
-    ended from outside (server/calls.py) as (status code, details)."""
+    """What the server's interceptors use of a call's context. Records how the call ended:
+    `ended` gets (status code, details) for an abort, (CANCELLED, "") for a cancel."""
 
     def __init__(self) -> None:
         self.ended: list[tuple[grpc.StatusCode, str]] = []
         self.callbacks: list = []
-        codes = {cy: code for code, cy in _common.STATUS_CODE_TO_CYGRPC_STATUS_CODE.items()}
-        cancel = lambda code, details: self.ended.append((codes[code], details))  # noqa: E731
-        self._rpc_event = SimpleNamespace(call=SimpleNamespace(cancel=cancel))
 
     def add_callback(self, callback) -> bool:
         self.callbacks.append(callback)
         return True
 
+    def is_active(self) -> bool:
+        return not self.ended
+
+    def cancel(self) -> None:
+        self.ended.append((grpc.StatusCode.CANCELLED, ""))
+
     def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.ended.append((code, details))
         raise RuntimeError(f"aborted: {code.name}: {details}")
 
 
@@ -47,3 +49,12 @@ def tensors(seed: int) -> list[torch.Tensor]:
     """Random parameters (or deltas) of FINGERPRINT's shapes, the same for the same seed."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def close_round(fragment: FragmentState, expected_weight: float = 0.0) -> None:
+    """Close the fragment's round as a policy does (rounds/policy.py), without a log: the
+    round's mean, one outer step along it, and the next round."""
+    rnd = fragment.round
+    mean = rnd.mean(expected_weight)
+    fragment.round = rnd.next()
+    fragment.apply_mean(mean)

@@ -6,8 +6,8 @@ import torch
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
-from server.outer import NesterovOuter
+from server.rounds.outer import NesterovOuter
+from server.state.params import ParamSpec
 from tests.support.fakes import FINGERPRINT, SHAPES, FakeClock, tensors
 
 
@@ -67,7 +67,7 @@ def test_outer_momentum_warmup_is_torch_sgd_with_a_rising_momentum() -> None:
 def test_a_warm_up_never_raises_the_momentum_above_its_target() -> None:
     """A target below the warm-up's start (momentum 0 with the default warm-up on) is the
     momentum from the first step: no error, and no momentum above what was asked for."""
-    from server.outer import warmed_momentum
+    from server.rounds.outer import warmed_momentum
 
     assert aggregator_config(outer_momentum=0.0).outer.outer_momentum_warmup_rounds > 0
     assert [warmed_momentum(0.0, 0.5, 4, taken) for taken in range(6)] == [0.0] * 6

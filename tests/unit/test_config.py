@@ -19,9 +19,8 @@ from common.config import (
 )
 from learner.config import DilocoSyncConfig, LearnerConfig
 from learner.main import parse_config as learner_config
-from server.config import AggregatorConfig, ServerConfig
+from server.config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION, AggregatorConfig, ServerConfig
 from server.main import parse_config as server_config
-from server.outer_config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
 
 
 def build(argv: list[str], environ: dict[str, str]) -> ServerConfig:

@@ -1,4 +1,5 @@
-"""StreamDeadlines on a fake clock: which streams are cut, when, why, and what is counted."""
+"""StreamDeadlines (inside EndableCalls) on a fake clock: which streams are cut, when, why, and
+what is counted."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import grpc
 import pytest
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from server.deadlines import StreamDeadlines
+from common.retry import wait_until
+from server.rpc.calls import EndableCalls, StreamDeadlines
 from tests.support.fakes import FakeClock, FakeServicerContext
 
 PUSH = "/diloco.v1.Aggregator/PushFragment"
@@ -17,8 +19,10 @@ PULL = "/diloco.v1.Aggregator/PullParams"
 
 
 def intercepted(deadlines: StreamDeadlines, method: str, handler) -> grpc.RpcMethodHandler:
+    """The handler inside the deadlines, inside EndableCalls, as the service chains them."""
     details = SimpleNamespace(method=method, invocation_metadata=())
-    return deadlines.intercept_service(lambda _: handler, details)
+    inner = lambda d: deadlines.intercept_service(lambda _: handler, d)  # noqa: E731
+    return EndableCalls().intercept_service(inner, details)
 
 
 @pytest.fixture
@@ -51,7 +55,10 @@ def push_through(deadlines, clock, steps) -> FakeServicerContext:
             yield message
 
     handler = grpc.stream_unary_rpc_method_handler(lambda it, ctx: sum(1 for _ in it))
-    intercepted(deadlines, PUSH, handler).stream_unary(requests(), context)
+    try:
+        intercepted(deadlines, PUSH, handler).stream_unary(requests(), context)
+    except RuntimeError as err:  # the fake context's abort
+        assert "aborted" in str(err)
     return context
 
 
@@ -115,10 +122,34 @@ def test_a_pull_is_watched_while_sending_not_while_waiting(deadlines, clock) -> 
     assert context.ended == []
     clock.now += 2.5  # gRPC has not asked for the next message: the reader is not reading
     assert deadlines.sweep() == 1 and deadlines.cut_counts() == {"idle": 1}
+    # A send stuck on a reader that stopped reading leaves no thread of ours to wake: the
+    # call is cancelled once END_GRACE_S has passed.
+    wait_until(lambda: context.ended, 10, "the stuck pull cancelled")
+    assert context.ended == [(grpc.StatusCode.CANCELLED, "")]
+
+
+def test_a_cut_between_messages_ends_the_stream_with_its_reason(deadlines, clock) -> None:
+    context = FakeServicerContext()
+
+    def pull(request, ctx) -> Iterator[pb.PullParamsResponse]:
+        yield pb.PullParamsResponse(header=pb.PullHeader(payload_bytes=10))
+        yield pb.PullParamsResponse(chunk=b"x" * 10)
+
+    handler = grpc.unary_stream_rpc_method_handler(pull)
+    responses = intercepted(deadlines, PULL, handler).unary_stream(None, context)
+    next(responses)
+    clock.now += 2.5
+    assert deadlines.sweep() == 1
+    with pytest.raises(RuntimeError, match="aborted: DEADLINE_EXCEEDED"):
+        next(responses)  # gRPC asks for the next message: the handler ends the call itself
 
 
 def test_unary_calls_and_health_checks_are_not_watched(deadlines) -> None:
+    def alone(method: str, handler) -> grpc.RpcMethodHandler:
+        details = SimpleNamespace(method=method, invocation_metadata=())
+        return deadlines.intercept_service(lambda _: handler, details)
+
     unary = grpc.unary_unary_rpc_method_handler(lambda request, ctx: None)
-    assert intercepted(deadlines, "/diloco.v1.Aggregator/Heartbeat", unary) is unary
+    assert alone("/diloco.v1.Aggregator/Heartbeat", unary) is unary
     watch = grpc.unary_stream_rpc_method_handler(lambda request, ctx: iter(()))
-    assert intercepted(deadlines, "/grpc.health.v1.Health/Watch", watch) is watch
+    assert alone("/grpc.health.v1.Health/Watch", watch) is watch

@@ -11,9 +11,8 @@ import torch
 
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.export import main
-from server.export_state import ExportError, merge, read_state_params
-from server.global_params import ParamSpec
+from server.export import ExportError, main, merge, read_state_params
+from server.state.params import ParamSpec
 
 SPECS = [ParamSpec("blocks.0.w", (8, 4), "float32"), ParamSpec("blocks.1.w", (40,), "float32")]
 

@@ -17,7 +17,7 @@ from common.codec.fragment import decode_fragment, encode_fragment
 from common.codec.tensor import encode
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from server.ingest import CHUNK_VALUES, DenseBody, IngestSlot
+from server.rounds.ingest import CHUNK_VALUES, DenseBody, IngestSlot
 
 ROOT = Path(__file__).resolve().parents[2]
 CODECS = [pb.CODEC_FP4_E2M1, pb.CODEC_FP4_E3M0]

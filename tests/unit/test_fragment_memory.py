@@ -16,10 +16,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from common.codec.fragment import TensorBytes
-from server.fragment import FragmentState
-from server.ingest import DenseBody
-from server.outer import CHUNK_VALUES, DelayedNesterov, NesterovOuter
-from server.servicer import PULL_CHUNK_BYTES, _pieces
+from server.rounds.ingest import CHUNK_VALUES, DenseBody
+from server.rounds.outer import DelayedNesterov, NesterovOuter
+from server.rpc.servicer import PULL_CHUNK_BYTES, _pieces
+from server.state.fragment import FragmentState
+from tests.support.fakes import close_round
 
 # Larger than a chunk of the outer step, so that the chunking is exercised.
 SHAPES = [(512, 640), (300_001,), (3,)]
@@ -35,8 +36,8 @@ def run(pull_codec: str, rounds: int, outer=None, update_log_fraction=1.0) -> Fr
     for _ in range(rounds):
         for learner in ("a", "b", "c"):
             delta = [torch.randn(s, generator=g) * 1e-2 for s in SHAPES]
-            fragment.add(learner, DenseBody(delta), tokens=1)
-        fragment.close_round()
+            fragment.round.add(learner, DenseBody(delta), tokens=1)
+        close_round(fragment)
         fragment.pull(-1)  # builds the snapshot of this version, as a joining learner would
     return fragment
 
@@ -73,7 +74,7 @@ def held(root: object) -> tuple[int, int]:
 @pytest.mark.parametrize(("pull_codec", "copies"), [("fp4_e2m1", 4), ("fp32", 3)])
 def test_a_fragment_holds_four_model_copies_and_a_bounded_log(pull_codec, copies) -> None:
     fragment = run(pull_codec, rounds=10)
-    fragment.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)  # a round is open
+    fragment.round.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)  # a round is open
     tensors, blobs = held(fragment)
     # Parameters, momentum, round sum (+ residual with 4-bit pulls): nothing else.
     assert tensors == copies * MODEL_BYTES
@@ -89,7 +90,7 @@ def test_bfloat16_outer_state_holds_half_a_copy_less_each(pull_codec, copies) ->
     """outer_state_dtype bfloat16: the momentum (and the residual of 4-bit pulls) in half
     the bytes; the parameters and the round's sum stay float32."""
     fragment = run(pull_codec, rounds=3, outer=NesterovOuter(state_dtype="bfloat16"))
-    fragment.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)
+    fragment.round.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)
     assert held(fragment)[0] == copies * MODEL_BYTES
 
 
@@ -99,8 +100,8 @@ def test_a_snapshot_streamed_across_a_step_keeps_its_versions_bytes(pull_codec) 
     expected = joined(fragment.pull(-1).parts)
     in_flight = _pieces(fragment.pull(-1).parts, PULL_CHUNK_BYTES)  # a pull stream
     first = next(in_flight)
-    fragment.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)
-    fragment.close_round()  # the parameters change while the stream is half-way
+    fragment.round.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)
+    close_round(fragment)  # the parameters change while the stream is half-way
     assert fragment.snapshots_frozen == 2  # the two big tensors, copied once for the stream
     assert first + b"".join(in_flight) == expected
     assert joined(fragment.pull(-1).parts) != expected  # a new pull gets the new version
@@ -149,9 +150,9 @@ def test_an_outer_step_makes_no_temporary_of_the_models_size(pull_codec, outer) 
     # Three rounds: Delayed Nesterov has its buffer (not a temporary) and now folds it in.
     made = outer(every=2) if outer is DelayedNesterov else outer()
     fragment = run(pull_codec, rounds=3, outer=made)
-    fragment.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)
+    fragment.round.add("a", DenseBody([torch.ones(s) for s in SHAPES]), tokens=1)
     with _NewStorages() as allocations:
-        fragment.close_round()
+        close_round(fragment)
     # Chunks of the update (float32) and the packed 4-bit codes of the largest tensor
     # (half a byte a value, kept for the log) are all it allocates.
     largest_tensor = max(torch.Size(s).numel() for s in SHAPES)
@@ -179,14 +180,14 @@ def test_sparse_pulls_and_the_senders_mean_still_hold_four_copies() -> None:
 
     def push(learner: str) -> None:
         delta = [torch.randn(s, generator=g) * (torch.rand(s, generator=g) < 0.02) for s in SHAPES]
-        fragment.add(learner, DenseBody(delta, sparse=True), tokens=1)
+        fragment.round.add(learner, DenseBody(delta, sparse=True), tokens=1)
 
     for _ in range(3):
         for learner in ("a", "b", "c"):
             push(learner)
-        fragment.close_round()
+        close_round(fragment)
     push("a")  # a round is open
     assert held(fragment)[0] == 4 * MODEL_BYTES
     with _NewStorages() as allocations:
-        fragment.close_round()
+        close_round(fragment)
     assert allocations.largest < MODEL_BYTES / 4

@@ -7,9 +7,10 @@ from common.config import build_config
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from server.aggregator import Aggregator
 from server.config import AggregatorConfig, aggregator_config
-from server.global_params import ParamSpec
-from server.influence import capped_weight, check_claim, clip_scale, trim_count, trimmed_mean_into
-from server.metrics import ServerMetrics
+from server.rounds.admission import capped_weight, check_claim, clip_scale
+from server.rounds.round import trim_count, trimmed_mean_into
+from server.rpc.metrics import ServerMetrics
+from server.state.params import ParamSpec
 from tests.support.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]

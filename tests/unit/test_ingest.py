@@ -13,7 +13,7 @@ from common.codec.fragment import decode_fragment, encode_fragment
 from common.codec.tensor import decode, encode, parse_fragment
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from server.ingest import CHUNK_VALUES, DenseBody, IngestSlot, IngestSlots
+from server.rounds.ingest import CHUNK_VALUES, DenseBody, IngestSlot, IngestSlots
 
 # One tensor crosses chunk boundaries with an odd tail; one is smaller than a block.
 SHAPES = [(3, CHUNK_VALUES // 2 + 17), (5,), (0, 4)]

@@ -11,9 +11,9 @@ from prometheus_client import generate_latest
 
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
-from server.metrics import ServerMetrics
-from server.servicer import AggregatorServicer, MergedTokens
+from server.rpc.metrics import MergedTokens, ServerMetrics
+from server.rpc.servicer import AggregatorServicer
+from server.state.params import ParamSpec
 from tests.support.fakes import FINGERPRINT, FakeClock, tensors
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ from learner.session import SyncSession
 from learner.simulated_speed import Slowdown, StepPeriod
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
-from server.policy import estimated_schedule_step, median_step_time_s
+from server.learners import estimated_schedule_step, median_step_time_s
+from server.state.params import ParamSpec
 from tests.support.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]

@@ -11,8 +11,8 @@ import torch
 
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
-from server.persistence import LogRecord, StateStore
+from server.state.params import ParamSpec
+from server.state.store import LogRecord, StateStore
 
 SPECS = [ParamSpec("blocks.0.w", (8, 4), "float32"), ParamSpec("blocks.1.w", (40,), "float32")]
 
@@ -205,8 +205,8 @@ def test_a_record_claiming_more_bytes_than_the_file_holds_is_a_torn_tail(tmp_pat
 def test_a_snapshot_from_before_the_warmup_resumes_past_it_and_the_config_wins() -> None:
     """An old snapshot has no step count: it took one outer step per version. The warm-up's
     settings come from the config, whatever the snapshot says."""
-    from server.fragment import FragmentState
-    from server.outer import NesterovOuter
+    from server.rounds.outer import NesterovOuter
+    from server.state.fragment import FragmentState
 
     def fragment(warmup_rounds: int) -> FragmentState:
         outer = NesterovOuter(warmup_rounds=warmup_rounds)

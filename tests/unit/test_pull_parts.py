@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.codec.fragment import TensorBytes, encode_fragment, snapshot_parts
-from server.servicer import SMALL_PART_BYTES, _pieces
+from server.rpc.servicer import SMALL_PART_BYTES, _pieces
 
 
 def joined(parts) -> bytes:

@@ -8,7 +8,7 @@ import torch
 from common.codec.fragment import encode_fragment
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.servicer import AggregatorServicer
+from server.rpc.servicer import AggregatorServicer
 from tests.support.fakes import FINGERPRINT, SHAPES, tensors
 from tests.support.fuzz.world import FakeContext, push_messages
 
@@ -34,4 +34,4 @@ def test_a_counted_push_is_accepted_though_its_lease_ran_out() -> None:
 
     assert reply.accepted and reply.round_version == 1
     assert context.aborted == []
-    assert servicer.push_result_counts() == {"accepted": 1}
+    assert servicer.push_results.snapshot() == {"accepted": 1}

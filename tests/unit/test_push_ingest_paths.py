@@ -12,11 +12,12 @@ from common.codec.fp4 import FP4_GRIDS
 from common.codec.fragment import encode_fragment
 from common.codec.framing import parse_push_request
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from server.fragment import DEFERRED_PUSHES, FragmentState
-from server.ingest import IngestSlot
-from server.outer import NesterovOuter
-from server.push_wire import wire_bytes
-from server.receive import PushBudget, receive_into
+from server.rounds.ingest import IngestSlot
+from server.rounds.outer import NesterovOuter
+from server.rounds.round import DEFERRED_PUSHES
+from server.rpc.receive import PushBudget, receive_into, wire_bytes
+from server.state.fragment import FragmentState
+from tests.support.fakes import close_round
 
 E2M1 = FP4_GRIDS[pb.CODEC_FP4_E2M1]
 E3M0 = FP4_GRIDS[pb.CODEC_FP4_E3M0]
@@ -104,13 +105,15 @@ def _run_round(
     for i, payload in enumerate(pushes):
         if budget is None:
             body = slot.parse(payload, shapes)
-            fragment.add(f"l{i}", body, tokens=1, weight=1.0 + i / 7)
+            fragment.round.add(f"l{i}", body, tokens=1, weight=1.0 + i / 7)
             continue
         with budget.reserve(len(payload)) as view:
             receive_into(view, [payload])
             body = slot.parse(view, shapes, hold=lambda view=view: budget.hold(view))
             adds = fragment.round.adds
-            ticket = fragment.add(f"l{i}", body, tokens=1, weight=1.0 + i / 7, add_later=add_later)
+            ticket = fragment.round.add(
+                f"l{i}", body, tokens=1, weight=1.0 + i / 7, add_later=add_later
+            )
             # The first push starts the sum; each later batch is the held ones and one more.
             assert (ticket is not None) == (add_later and i > 0 and i % (DEFERRED_PUSHES + 1) == 0)
             if ticket is not None:
@@ -129,8 +132,8 @@ def test_a_round_that_defers_pushes_ends_with_the_same_bits(kernel, add_later) -
     assert held > 0 and budget.held_bytes() == held * len(pushes[0])
     reference = _run_round(shapes, pushes, None)  # no holder: every push added at once
     assert not reference.round.deferred
-    deferring.close_round()
-    reference.close_round()
+    close_round(deferring)
+    close_round(reference)
     assert budget.held_bytes() == 0  # the close added and released them
     for a, b in zip(deferring.params or [], reference.params or [], strict=True):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
@@ -210,5 +213,5 @@ def test_a_failed_add_leaves_no_deferred_push_behind(kernel) -> None:
     fragment = _run_round(shapes, [_fp4_push(seed, shapes) for seed in range(3)], budget)
     assert len(fragment.round.deferred) == 2
     with pytest.raises(RuntimeError, match="add failed"):
-        fragment.add("bad", _FailingBody(), tokens=1)  # type: ignore[arg-type]
+        fragment.round.add("bad", _FailingBody(), tokens=1)  # type: ignore[arg-type]
     assert not fragment.round.deferred and budget.held_bytes() == 0  # never added twice

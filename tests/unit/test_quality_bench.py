@@ -12,7 +12,7 @@ from bench import quality, quality_runs
 from bench.quality_runs import Row, cache_key, run_rows
 from bench.simulate import Result
 from learner.config import SyncConfig
-from server.outer_config import SPARSE_OUTER
+from server.config import SPARSE_OUTER
 
 
 def test_a_sweep_row_overrides_the_outer_lr_and_the_residual_decay() -> None:

@@ -6,9 +6,10 @@ import torch
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
-from server.outer import DelayedNesterov, NesterovOuter
-from server.policy import contribution_weight, grace_window_s, staleness_discount
+from server.rounds.admission import contribution_weight, staleness_discount
+from server.rounds.outer import DelayedNesterov, NesterovOuter
+from server.rounds.policy import grace_window_s
+from server.state.params import ParamSpec
 from tests.support.fakes import FakeClock
 
 SPECS = [ParamSpec("w", (4,), "float32")]
@@ -219,7 +220,7 @@ def test_an_exploding_push_is_refused_and_does_not_stall_the_round() -> None:
 
 
 def test_norm_guard_off_and_warmup() -> None:
-    from server.policy import NormGuard
+    from server.rounds.admission import NormGuard
 
     guard = NormGuard(max_ratio=0.0)
     for _ in range(10):

@@ -7,7 +7,7 @@ import pytest
 
 from common.retry import call_with_retry, retry_after_s
 from common.rpc import RETRY_AFTER_HEADER
-from server.ratelimit import TokenBuckets
+from server.rpc.limits import TokenBuckets
 from tests.support.fakes import FakeClock
 
 

@@ -10,7 +10,7 @@ from common.codec.fragment import max_fragment_bytes
 from common.errors import InvalidArgument, ResourceExhausted
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import wait_until
-from server.receive import (
+from server.rpc.receive import (
     AUTO_MAX_BYTES,
     AUTO_MIN_BYTES,
     BudgetExhausted,

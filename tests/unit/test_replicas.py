@@ -8,7 +8,7 @@ from common.codec.fragment import apply_updates, decode_fragment, params_crc32
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
+from server.state.params import ParamSpec
 
 SPECS = [
     ParamSpec("emb.weight", (64, 32), "float32"),

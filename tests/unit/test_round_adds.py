@@ -8,10 +8,10 @@ import threading
 import pytest
 import torch
 
-import server.round_adds
+import server.rounds.round
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.round_adds import OrderedAdds
+from server.rounds.round import OrderedAdds
 from tests.support.fakes import FINGERPRINT, FakeClock, tensors
 
 
@@ -135,7 +135,7 @@ def test_the_aggregator_counts_pushes_while_an_add_runs_and_closes_with_every_ad
     monkeypatch,
 ) -> None:
     reference = _pushes(None, None)
-    add_in_turn = server.round_adds.add_in_turn
+    add_in_turn = server.rounds.round.add_in_turn
     entered, block, calls = threading.Event(), threading.Event(), []
 
     def blocking_first(batch, sums):
@@ -145,7 +145,7 @@ def test_the_aggregator_counts_pushes_while_an_add_runs_and_closes_with_every_ad
             assert block.wait(30)
         add_in_turn(batch, sums)
 
-    monkeypatch.setattr(server.round_adds, "add_in_turn", blocking_first)
+    monkeypatch.setattr(server.rounds.round, "add_in_turn", blocking_first)
     agg = _pushes(block, entered)
     assert calls == [1, 1, 1] and agg.version(0) == reference.version(0) == 1
     for got, want in zip(agg.params(0), reference.params(0), strict=True):

@@ -4,14 +4,20 @@ import pytest
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition
-from server.config import RoundsConfig
-from server.fragment import FragmentState
-from server.ingest import DenseBody
-from server.membership import Session
-from server.outer import DelayedNesterov, NesterovOuter
-from server.outer_config import OuterConfig
-from server.policy import MODES
-from server.rounds import POLICIES, Async, Quorum, RoundPolicy, Sync, round_policy
+from server.learners import Learner
+from server.rounds.ingest import DenseBody
+from server.rounds.outer import DelayedNesterov, NesterovOuter, OuterConfig
+from server.rounds.policy import (
+    MODES,
+    POLICIES,
+    Async,
+    Quorum,
+    RoundPolicy,
+    RoundsConfig,
+    Sync,
+    round_policy,
+)
+from server.state.fragment import FragmentState
 from tests.support.fakes import FakeClock
 
 
@@ -26,13 +32,27 @@ def fragment(rules: RoundPolicy, version: int = 0) -> FragmentState:
     return state
 
 
-def push(rules: RoundPolicy, state: FragmentState, learner: str, weight: float = 1.0) -> None:
-    state.add(learner, DenseBody([torch.ones(4)]), tokens=10, weight=weight)
-    rules.accepted(state.round, learner, weight)
+# The learners' records, by id: their last weights and push bases, as admission leaves them.
+LEARNERS: dict[str, Learner] = {}
 
 
-def live(*learners: str) -> list[Session]:
-    return [Session(f"s-{name}", name, lease_deadline=1e9) for name in learners]
+def learner(name: str) -> Learner:
+    return LEARNERS.setdefault(name, Learner(name, session_id=f"s-{name}", lease_deadline=1e9))
+
+
+@pytest.fixture(autouse=True)
+def fresh_learners():
+    LEARNERS.clear()
+
+
+def push(rules: RoundPolicy, state: FragmentState, name: str, weight: float = 1.0) -> None:
+    state.round.add(name, DenseBody([torch.ones(4)]), tokens=10, weight=weight, now=rules._clock())
+    learner(name).last_weight = weight
+    rules.accepted(state.round)
+
+
+def live(*learners: str) -> list[Learner]:
+    return [learner(name) for name in learners]
 
 
 def test_the_mode_picks_the_policy_and_every_mode_has_one() -> None:
@@ -45,12 +65,12 @@ def test_sync_refuses_stale_and_repeated_pushes_and_waits_for_everyone() -> None
     rules = policy(mode="sync", min_contributors=2, max_staleness=4)
     state = fragment(rules, version=3)
     with pytest.raises(FailedPrecondition, match="stale push"):
-        rules.check_base(state, "a", base_version=2)
-    rules.check_base(state, "a", base_version=3)
+        rules.check_base(state, learner("a"), base_version=2)
+    rules.check_base(state, learner("a"), base_version=3)
     push(rules, state, "a")
-    state.last_push_base["a"] = 3
+    learner("a").push_bases[state.fragment_id] = 3
     with pytest.raises(AlreadyExists, match="retried push"):
-        rules.check_base(state, "a", base_version=3)
+        rules.check_base(state, learner("a"), base_version=3)
     assert not rules.ready(state.round, live("a", "b"))
     assert not rules.ready(state.round, live("a"))  # everyone, but below min_contributors
     push(rules, state, "b")
@@ -64,7 +84,7 @@ def test_sync_refuses_a_second_push_to_the_same_round() -> None:
     state = fragment(rules)
     push(rules, state, "a")  # its base is not on record: not caught as a retry
     with pytest.raises(AlreadyExists, match="already pushed for version 1"):
-        rules.check_base(state, "a", base_version=0)
+        rules.check_base(state, learner("a"), base_version=0)
 
 
 def test_quorum_takes_stale_pushes_and_closes_after_the_grace_window() -> None:
@@ -79,9 +99,9 @@ def test_quorum_takes_stale_pushes_and_closes_after_the_grace_window() -> None:
         grace_max_s=60.0,
     )
     state = fragment(rules, version=5)
-    rules.check_base(state, "a", base_version=3)
+    rules.check_base(state, learner("a"), base_version=3)
     with pytest.raises(FailedPrecondition, match="too stale"):
-        rules.check_base(state, "a", base_version=2)
+        rules.check_base(state, learner("a"), base_version=2)
     sessions = live("a", "b")
     sessions[0].step_time_s = sessions[1].step_time_s = 2.0
     assert not rules.ready(state.round, sessions)  # nothing pushed yet
@@ -95,7 +115,7 @@ def test_quorum_takes_stale_pushes_and_closes_after_the_grace_window() -> None:
     # A partial round counts as its part of the live learners' usual weight: b's last push
     # is unknown, so it counts at this round's average.
     assert rules.expected_weight(state.round, sessions) == 6.0
-    rules.last_weight["b"] = 1.0
+    learner("b").last_weight = 1.0
     assert rules.expected_weight(state.round, sessions) == 4.0
     off = policy(mode="quorum", scale_partial_rounds=False)
     assert off.expected_weight(state.round, sessions) == 0.0

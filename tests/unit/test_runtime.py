@@ -1,5 +1,5 @@
-"""server/runtime.py: the arena cap and heap trimmer run on glibc, and are skipped (with a reason)
-elsewhere."""
+"""server/rpc/service.py: the arena cap and heap trimmer run on glibc, and are skipped (with a
+reason) elsewhere."""
 
 import logging
 import platform
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from server import runtime
+from server.rpc import service as runtime
 
 
 def test_arena_cap_is_set_on_glibc_only(monkeypatch, caplog) -> None:

@@ -11,10 +11,9 @@ import torch
 from common.errors import FailedPrecondition
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.global_params import ParamSpec
 from server.main import parse_config
-from server.persistence import state_identity
-from server.sharding import ShardMap, fragment_owners, map_id
+from server.state.params import ParamSpec, ShardMap, fragment_owners, map_id
+from server.state.store import state_identity
 
 SPECS = [ParamSpec(f"blocks.{i}.w", (4 * (i + 1), 8), "float32") for i in range(4)]
 

@@ -13,7 +13,7 @@ from bench.sim.model import FragmentPlan, ModelSpec, allreduce_factor, bits_per_
 from bench.sim.reproduce import ordering_problems, table4_methods
 from bench.sim.shards import ShardTier, measured_cpu_s_per_gb, shards_needed, simulate_shards
 from bench.sim.throughput import Method, Scenario, required_bandwidth, simulate
-from server.sharding import fragment_owners
+from server.state.params import fragment_owners
 
 # -- virtual clock and event queue -------------------------------------------------------
 

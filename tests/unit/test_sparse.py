@@ -20,9 +20,10 @@ from common.codec.tensor import CODECS, check_tensor, decode, encode, is_sparse
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from server.config import StreamingConfig
-from server.fragment import FragmentState
-from server.outer import CHUNK_VALUES, NesterovOuter
-from server.persistence import state_identity
+from server.rounds.ingest import CHUNK_VALUES
+from server.rounds.outer import NesterovOuter
+from server.state.fragment import FragmentState
+from server.state.store import state_identity
 
 SPARSE = [pb.CODEC_SPARSE_2BIT, pb.CODEC_SPARSE_FP4]
 

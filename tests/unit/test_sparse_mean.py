@@ -8,9 +8,10 @@ import torch
 
 from common.codec.fragment import decode_fragment, encode_fragment
 from server.config import aggregator_config
-from server.fragment import FragmentState
-from server.ingest import DenseBody, IngestSlot
-from server.outer import NesterovOuter
+from server.rounds.ingest import DenseBody, IngestSlot
+from server.rounds.outer import NesterovOuter
+from server.state.fragment import FragmentState
+from tests.support.fakes import close_round
 
 SHAPES = [(2, 3), (4,)]
 
@@ -33,8 +34,8 @@ def pushes() -> list[list[torch.Tensor]]:
 
 def step(state: FragmentState, bodies, expected_weight: float = 0.0) -> list[torch.Tensor]:
     for name, body in zip("ab", bodies, strict=True):
-        state.add(name, body, tokens=1)
-    state.close_round(expected_weight)
+        state.round.add(name, body, tokens=1)
+    close_round(state, expected_weight)
     return [p.clone() for p in state.params]
 
 
@@ -91,9 +92,9 @@ def test_a_push_read_from_its_wire_encoding_counts_the_same_values_as_decoded(co
 def test_the_senders_weights_are_reused_from_round_to_round() -> None:
     state = fragment("senders")
     step(state, [DenseBody(p, sparse=True) for p in pushes()])
-    kept = [t.data_ptr() for t in state._spare_senders]
+    kept = [t.data_ptr() for t in state.round.spare_senders]
     second = step(state, [DenseBody(p, sparse=True) for p in pushes()])
-    assert [t.data_ptr() for t in state.round.senders or state._spare_senders] == kept
+    assert [t.data_ptr() for t in state.round.senders or state.round.spare_senders] == kept
     assert second[0][0, 0] == -6.0  # counted afresh: (2 + 4) / 2 more
 
 
@@ -101,7 +102,7 @@ def test_dense_pushes_weigh_as_one_number_and_sparse_ones_per_value() -> None:
     """A round of dense pushes makes no buffer; a dense push in a round with a sparse one
     counts at every value."""
     dense_only = fragment("senders")
-    dense_only.add("a", DenseBody(pushes()[0]), tokens=1)
+    dense_only.round.add("a", DenseBody(pushes()[0]), tokens=1)
     assert dense_only.round.senders is not None and dense_only.round.senders.values is None
     mixed = fragment("senders")
     got = step(mixed, [DenseBody(pushes()[0]), DenseBody(pushes()[1], sparse=True)])

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from server.auth import TOKEN_USAGE, TokenAuth, main
+from server.rpc.auth import TOKEN_USAGE, TokenAuth, main
 
 
 @pytest.mark.parametrize("flag", ["-h", "--help"])

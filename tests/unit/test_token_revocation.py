@@ -10,23 +10,34 @@ import grpc
 import pytest
 
 from common.rpc import LEARNER_ID_HEADER
-from server.auth import TokenAuth, add_token
+from server.rpc.auth import TokenAuth, add_token
+from server.rpc.calls import EndableCalls
 from tests.support.fakes import FakeServicerContext
 
 PULL = "/diloco.v1.Aggregator/PullParams"
 
 
 def open_call(auth: TokenAuth, learner_id: str, token: str) -> FakeServicerContext:
-    """A streaming call of `learner_id` with `token`, started and left open (its answer is
-    kept: a dropped one would end the call)."""
+    """A streaming call of `learner_id` with `token` (inside EndableCalls, as the service
+    chains them), started and left open between its two messages (its answer is kept: a
+    dropped one would end the call)."""
     metadata = ((LEARNER_ID_HEADER, learner_id), ("authorization", f"Bearer {token}"))
     details = SimpleNamespace(method=PULL, invocation_metadata=metadata)
-    handler = grpc.unary_stream_rpc_method_handler(lambda request, ctx: iter([b"header"]))
+    handler = grpc.unary_stream_rpc_method_handler(lambda request, ctx: iter([b"head", b"tail"]))
     context = FakeServicerContext()
-    answer = auth.intercept_service(lambda _: handler, details).unary_stream(None, context)
-    assert next(answer) == b"header"  # open: the generator waits for its next message
+    chain = lambda d: auth.intercept_service(lambda _: handler, d)  # noqa: E731
+    answer = EndableCalls().intercept_service(chain, details).unary_stream(None, context)
+    assert next(answer) == b"head"  # open: the generator waits for its next message
     context.answer = answer
     return context
+
+
+def rest(context: FakeServicerContext) -> list[bytes]:
+    """The call's remaining messages (it ends itself at its next one if asked to)."""
+    try:
+        return list(context.answer)
+    except RuntimeError:  # the fake context's abort
+        return []
 
 
 @pytest.fixture
@@ -42,6 +53,7 @@ def test_a_removed_or_replaced_token_ends_its_calls_only(path: Path) -> None:
     kept = [line for line in path.read_text().splitlines() if not line.startswith("a ")]
     path.write_text("\n".join(kept) + "\n")  # a's removed
     assert auth.reload() == 2
+    assert [rest(calls[learner]) for learner in ("a", "b", "c")] == [[], [], [b"tail"]]
     for learner in ("a", "b"):
         [(code, details)] = calls[learner].ended
         assert code == grpc.StatusCode.UNAUTHENTICATED and "revoked" in details
@@ -56,4 +68,5 @@ def test_a_bad_file_keeps_the_tokens_and_the_calls(path: Path) -> None:
     path.write_text("a not-a-hash\n")
     with pytest.raises(ValueError, match="line 1"):
         auth.reload()
-    assert call.ended == [] and auth.verify("a", token) is not None
+    assert rest(call) == [b"tail"] and call.ended == []
+    assert auth.verify("a", token) is not None

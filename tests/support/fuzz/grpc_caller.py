@@ -21,8 +21,9 @@ import grpc
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import LEARNER_ID_HEADER, create_channel, create_server
-from server.auth import TokenAuth, add_token
-from server.servicer import AggregatorServicer
+from server.rpc.auth import TokenAuth, add_token
+from server.rpc.calls import EndableCalls
+from server.rpc.servicer import AggregatorServicer
 from tests.support.fuzz.world import CALL_TIMEOUT_S, GOOD, MALLORY, Outcome, World
 
 RPCS = ("Join", "PushFragment", "PullParams", "Heartbeat", "Leave")
@@ -53,7 +54,7 @@ class GrpcCaller:
     """A Caller (cases.py) that sends each call through a loopback gRPC server."""
 
     def __init__(self, timeout_s: float = CALL_TIMEOUT_S, token_dir: str | None = None) -> None:
-        """With `token_dir`, the server checks per-learner tokens (server/auth.py): calls on
+        """With `token_dir`, the server checks per-learner tokens (server/rpc/auth.py): calls on
         the good learner's session carry its token, every other call mallory's, so acting
         for anyone else must be refused with PERMISSION_DENIED."""
         self.timeout_s = timeout_s
@@ -68,7 +69,7 @@ class GrpcCaller:
                     (LEARNER_ID_HEADER, learner),
                     ("authorization", f"Bearer {token}"),
                 )
-            interceptors = (TokenAuth(path),)
+            interceptors = (EndableCalls(), TokenAuth(path))
         self._server, port = create_server("127.0.0.1:0", max_workers=8, interceptors=interceptors)
         pb_grpc.add_AggregatorServicer_to_server(self._forwarder, self._server)
         self._channel = create_channel(f"127.0.0.1:{port}")

@@ -36,10 +36,10 @@ import torch
 
 from common.codec.fragment import encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from server import servicer as servicer_module
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.servicer import AggregatorServicer
+from server.rpc import servicer as servicer_module
+from server.rpc.servicer import AggregatorServicer
 
 # Parameter names use `h.i.` so the strided layout can split them into two fragments; sizes are
 # odd on purpose (FP4 pads the last byte and the last block of 32).
@@ -307,7 +307,6 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
                 "outer": _bits(dict(vars(f.outer))),
                 "residual": _bits(f._residual),
                 "updates": _bits([(start, msg) for start, msg in f._updates]),
-                "last_push_base": _bits(f.last_push_base),
                 "round": _bits(
                     {
                         "delta_sum": rnd.delta_sum,
@@ -324,7 +323,12 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
             }
         sessions = {
             s.session_id: _bits((s.learner_id, s.step, s.tokens, s.loss, s.step_time_s))
-            for s in aggregator._members.live()
+            for s in aggregator._learners.live()
+        }
+        # What pushes leave in each learner's record: weights, bases, last accepted push.
+        learners = {
+            s.learner_id: _bits((s.last_weight, s.push_bases, s.last_push))
+            for s in aggregator._learners.everyone()
         }
         return {
             "fragments": fragments,
@@ -332,11 +336,14 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
             "fingerprint": _bits(
                 [(p.name, p.shape, p.dtype) for p in aggregator._params.fingerprint or []]
             ),
-            # Quorum's weights of each learner's last push (the other modes keep none).
-            "last_weight": _bits(getattr(aggregator._rounds, "last_weight", {})),
+            "learners": _bits(learners),
             # An empty guard is what the defaultdict hands out anyway: not a change.
             "norms": _bits(
-                {k: list(g._recent) for k, g in aggregator._intake.norm_guards.items() if g._recent}
+                {
+                    k: list(g._recent)
+                    for k, g in aggregator._admission.norm_guards.items()
+                    if g._recent
+                }
             ),
             "epoch": aggregator.server_epoch,
         }

@@ -1,9 +1,16 @@
-"""The outer optimizer: SGD with Nesterov momentum, applied to averaged pseudo-gradients.
+"""The outer step: SGD with Nesterov momentum on a round's mean pseudo-gradient, its settings,
+and the best recipe's values for them.
+
+    outer = NesterovOuter(lr=0.7, momentum=0.9)
+    for i, start, u in outer.update_chunks(mean):   # the update, a chunk at a time
+        ...                                          # θ += Q(u + e) (server/state/fragment.py)
 
 DiLoCo treats the mean pseudo-gradient Δ = θ_global − θ_local as a gradient and takes one
-step of torch.optim.SGD(lr, momentum, nesterov=True, dampening=0). This module reproduces
-that update operation for operation (so results are bit-identical to torch's), while keeping
-the state explicit and per fragment so it can be saved, restored and sharded.
+step of torch.optim.SGD(lr, momentum, nesterov=True, dampening=0). NesterovOuter reproduces
+that update operation for operation (so results are bit-identical to torch's), keeping its
+state explicit and per fragment so it can be saved, restored and sharded. DelayedNesterov
+is the asynchronous mode's step. OuterConfig is the server's section for both (each setting
+keeps its flat name: flag, DILOCO_* variable, TOML key).
 """
 
 from __future__ import annotations
@@ -14,8 +21,10 @@ from typing import Protocol
 
 import torch
 
+from server.rounds.round import SPARSE_MEANS
+
 # Values of the outer update made at a time (512 KiB of float32): the step then needs no
-# temporary of the model's size (server/fragment.py keeps the server at ~4 model copies).
+# temporary of the model's size (a fragment stays at ~4 model copies: state/fragment.py).
 CHUNK_VALUES = 1 << 17
 
 
@@ -220,7 +229,7 @@ class DelayedNesterov:
     buffer: list[torch.Tensor] | None = None
     momentum_buffers: list[torch.Tensor] | None = None
     pending: int = 0
-    state_dtype: str = "float32"  # the only one (server/config.py refuses another in async)
+    state_dtype: str = "float32"  # the only one (the config refuses another in async)
 
     def restore(self, state: dict, version: int) -> None:
         """Load a snapshot's `vars()`."""
@@ -288,3 +297,66 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def _largest(tensors: list[torch.Tensor]) -> int:
     return max((t.numel() for t in tensors), default=0)
+
+
+RECIPES = ("best", "paper")  # the recipes server/config.py's outer_recipe knows
+
+
+@dataclass(kw_only=True)
+class OuterConfig:
+    """The outer optimizer's step."""
+
+    recipe: str = "best"
+    """best: the defaults below, the best measured training from scratch (docs/RESULTS.md;
+    async mode: no momentum warm-up, float32 state); paper: DiLoCo's outer step exactly (no
+    momentum warm-up, float32 state) and Streaming DiLoCo's fp4_e3m0 pulls, for the settings
+    not given (pair it with the learners' --recipe paper)."""
+    outer_lr: float = 0.7
+    """Outer learning rate of the Nesterov step (0.7 in DiLoCo)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum (0.9 in DiLoCo)."""
+    outer_momentum_warmup_rounds: int = 20
+    """sync/quorum: raise the outer momentum linearly from outer_momentum_warmup_start to
+    outer_momentum over each fragment's first N outer steps (0: off, torch's SGD exactly).
+    Helps a model trained from scratch (docs/RESULTS.md, quality)."""
+    outer_momentum_warmup_start: float = 0.5
+    """The outer momentum of the first outer step when the warm-up is on (at most
+    outer_momentum: a lower target is the start too)."""
+    outer_state_dtype: str = "bfloat16"
+    """bfloat16 or float32: the dtype of the outer momentum and of the pull codec's
+    error-feedback residual. bfloat16 (sync/quorum modes; the best recipe's default there
+    with dense pulls) halves both: the server then holds 3 fp32 copies of its fragments, not
+    4, with 4-bit pulls, with no quality cost measured (docs/RESULTS.md); replicas stay
+    bit-identical. float32 (async mode, sparse pulls and the paper recipe by default): torch's
+    SGD exactly."""
+    sparse_mean: str = "learners"
+    """What the outer step steps along with sparse pushes: learners (the round's weighted
+    mean; a value a learner did not send counts as zero) or senders (each value's mean over
+    the pushes that sent it; server/rounds/round.py). Dense pushes send every value."""
+
+    def __post_init__(self) -> None:
+        if self.outer_state_dtype not in STATE_DTYPES:
+            raise ValueError(
+                f"outer_state_dtype must be one of {', '.join(STATE_DTYPES)}, "
+                f"got {self.outer_state_dtype!r}"
+            )
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_momentum_warmup_rounds < 0:
+            raise ValueError(
+                "outer_momentum_warmup_rounds must be >= 0, "
+                f"got {self.outer_momentum_warmup_rounds}"
+            )
+        if not 0 <= self.outer_momentum_warmup_start < 1:
+            raise ValueError(
+                "outer_momentum_warmup_start must be in [0, 1), "
+                f"got {self.outer_momentum_warmup_start}"
+            )
+        if self.sparse_mean not in SPARSE_MEANS:
+            raise ValueError(
+                f"sparse_mean must be one of {', '.join(SPARSE_MEANS)}, got {self.sparse_mean!r}"
+            )

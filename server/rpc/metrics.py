@@ -11,21 +11,24 @@ belongs to no fragment) and `result` ("accepted" or a gRPC status name).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from common.traffic import NO_FRAGMENT
-from server.aggregator import Aggregator
-from server.auth import TokenAuth
-from server.deadlines import StreamDeadlines
-from server.events import AggregatorEvents
-from server.inflight import InFlightLimit
-from server.policy import staleness_discount
-from server.ratelimit import RateLimit
-from server.servicer import AggregatorServicer
+from server.aggregator import Aggregator, AggregatorEvents
+from server.rounds.admission import staleness_discount
+
+if TYPE_CHECKING:  # the servicer counts into this module's counters
+    from server.rpc.auth import TokenAuth
+    from server.rpc.calls import StreamDeadlines
+    from server.rpc.limits import InFlightLimit, RateLimit
+    from server.rpc.servicer import AggregatorServicer
 
 SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -141,7 +144,7 @@ class _StateCollector(Collector):
             "PushFragment calls by result: accepted, or the status they were refused with.",
             labels=["result"],
         )
-        for result, count in sorted(self.servicer.push_result_counts().items()):
+        for result, count in sorted(self.servicer.push_results.snapshot().items()):
             pushes.add_metric([result], count)
         yield pushes
         limited = CounterMetricFamily(
@@ -190,7 +193,7 @@ class _CallsCollector(Collector):
         yield GaugeMetricFamily(
             "diloco_server_waiting_pulls",
             "PullParams long-polls waiting now for a version (each holds a worker thread).",
-            value=self.servicer.waiting_pulls(),
+            value=self.servicer.waiting.snapshot().get("pulls", 0),
         )
         budget = self.servicer.push_budget
         yield GaugeMetricFamily(
@@ -247,3 +250,49 @@ class _CutsCollector(Collector):
         for reason, count in sorted(counts.items()):
             cut.add_metric([reason], count)
         yield cut
+
+
+class MergedTokens:
+    """Tokens of accepted pushes whose round has closed, per fragment: the training that
+    reached the global model (for metrics). A push counts once the version it was accepted
+    for exists; one in a round that a crash loses never does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._merged: collections.Counter[int] = collections.Counter()
+        # fragment -> round version -> tokens of its accepted pushes, while the round is open
+        self._open: dict[int, collections.Counter[int]] = {}
+
+    def add(self, fragment_id: int, round_version: int, tokens: int, version: int) -> None:
+        """A push of `tokens` accepted for `round_version`; the fragment is at `version`."""
+        with self._lock:
+            self._open.setdefault(fragment_id, collections.Counter())[round_version] += tokens
+            self._close(fragment_id, version)
+
+    def totals(self, version_of: Callable[[int], int]) -> dict[int, int]:
+        """Merged tokens per fragment, given each fragment's current version."""
+        with self._lock:
+            for fragment_id in self._open:
+                self._close(fragment_id, version_of(fragment_id))
+            return dict(self._merged)
+
+    def _close(self, fragment_id: int, version: int) -> None:
+        rounds = self._open[fragment_id]
+        for round_version in [v for v in rounds if v <= version]:
+            self._merged[fragment_id] += rounds.pop(round_version)
+
+
+class Counts:
+    """Counts by a bounded set of keys, thread-safe (push results, waiting long-polls)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    def add(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)

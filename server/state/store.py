@@ -17,9 +17,10 @@
                             every, shapes) | each mean tensor's float32 bytes (little-endian)
                             ("DLR1" records, payload = torch.save(...), are still read)
 
-Invariant: a version that any learner has seen is durable. The aggregator appends (and
-fsyncs) the round's record before it releases its lock, so no pull can see a version whose
-record is not on disk; after `kill -9` the server loads the snapshot and replays the means
+Invariant: a version that any learner has seen is durable. The round's record is appended
+(and fsynced) before its outer step is taken (rounds/policy.py), all under the aggregator's
+lock, so no version exists, let alone is served, whose record is not on disk. After `kill -9`
+the server loads the snapshot and replays the means
 through the same deterministic outer step, ending bit-identical, momentum and error feedback
 included. A torn or corrupt record can only be the tail (a write the crash interrupted,
 whose version was never served): replay stops at the first bad record, truncates the log
@@ -43,7 +44,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
@@ -51,11 +52,12 @@ from common.atomic import atomic_write
 from common.checksum import crc32
 from common.codec.tensor import is_sparse
 from common.errors import NotFound
-from server.config import PersistenceConfig, ShardingConfig, StreamingConfig
-from server.events import AggregatorEvents
-from server.fragment import FragmentState
-from server.global_params import ParamSpec
-from server.sharding import check_state_dir_shard, shard_identity
+from server.state.fragment import FragmentState
+from server.state.params import ParamSpec, ShardingConfig, check_state_dir_shard, shard_identity
+
+if TYPE_CHECKING:
+    from server.aggregator import AggregatorEvents
+    from server.config import StreamingConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,23 @@ _MAGIC = b"DLR2"
 _MAGIC_TORCH = b"DLR1"  # written before raw records: payload = torch.save({...})
 _HEADER = struct.Struct("<4sQI")
 _META_LEN = struct.Struct("<I")
+
+
+@dataclass(kw_only=True)
+class PersistenceConfig:
+    """The state directory: snapshots and the log of outer steps."""
+
+    state_dir: str = ""
+    """Directory for snapshots and the update log; empty keeps state in memory only."""
+    snapshot_every_versions: int = 100
+    """Write a full snapshot (and start a new log) once the log holds this many closed rounds
+    (those a restart replayed count too)."""
+
+    def __post_init__(self) -> None:
+        if self.snapshot_every_versions < 1:
+            raise ValueError(
+                f"snapshot_every_versions must be >= 1, got {self.snapshot_every_versions}"
+            )
 
 
 @dataclass(frozen=True)
@@ -89,7 +108,7 @@ def state_identity(
     """The settings a state dir is bound to: a dir written with others is refused, since its
     fragments, codec state and outer optimizer would not fit (a sparse pull codec's kept
     fraction too: replaying the log with another would not rebuild the served replicas; a
-    shard's index and the shard count too, server/sharding.py)."""
+    shard's index and the shard count too, params.py)."""
     sharding = sharding or ShardingConfig()
     identity = {
         "fragments": streaming.fragments,
@@ -111,13 +130,13 @@ class Persistence:
         self,
         config: PersistenceConfig,
         identity: dict,
-        events: AggregatorEvents | None = None,
+        events: AggregatorEvents,
     ) -> None:
         """`identity`: what state_identity() returns for the server's settings."""
         self.state_dir = config.state_dir
         self._every = config.snapshot_every_versions
         self._identity = identity
-        self._events = events or AggregatorEvents()
+        self._events = events
         self._store = StateStore(config.state_dir) if config.state_dir else None
         self._rounds_since_snapshot = 0
 

@@ -1,17 +1,19 @@
 """The gRPC servicer: decode the request, call the Aggregator, encode the answer.
 
 Domain errors (common.errors) become gRPC statuses here and nowhere else. Every message in
-and out is counted in `traffic`, per fragment.
+and out is counted in `traffic`, per fragment. A push's payload is received into a budgeted
+buffer (receive.py), parsed and checked in its wire encoding outside the aggregator's lock
+(server/rounds/ingest.py), then handed to the Aggregator. A pull long-polls for its version,
+then streams the answer's shared parts. A shard also tells about itself: its place in the
+shard map (DescribeShards) and what it sees now (Status, for `diloco-status`).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import math
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from common.codec.fragment import chunks, max_fragment_bytes
 from common.codec.tensor import decode_values, parse_fragment_view
@@ -22,12 +24,11 @@ from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import RETRY_AFTER_HEADER
 from common.traffic import NO_FRAGMENT, Traffic
 from server.aggregator import Aggregator
-from server.auth import authenticated_learner
-from server.global_params import ParamSpec
-from server.ingest import IngestSlots
-from server.push_wire import wire_bytes
-from server.receive import BudgetExhausted, PushBudget, receive_into
-from server.status import PushLog, describe_shards, shard_status
+from server.rounds.ingest import IngestSlots
+from server.rpc.calls import authenticated_learner, current_call
+from server.rpc.metrics import Counts, MergedTokens
+from server.rpc.receive import BudgetExhausted, PushBudget, receive_into, wire_bytes
+from server.state.params import ParamSpec
 
 log = logging.getLogger(__name__)
 
@@ -64,36 +65,6 @@ def _abort_on_domain_error(method):
     return wrapper
 
 
-class MergedTokens:
-    """Tokens of accepted pushes whose round has closed, per fragment: the training that
-    reached the global model (for metrics). A push counts once the version it was accepted
-    for exists; one in a round that a crash loses never does."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._merged: collections.Counter[int] = collections.Counter()
-        # fragment -> round version -> tokens of its accepted pushes, while the round is open
-        self._open: dict[int, collections.Counter[int]] = {}
-
-    def add(self, fragment_id: int, round_version: int, tokens: int, version: int) -> None:
-        """A push of `tokens` accepted for `round_version`; the fragment is at `version`."""
-        with self._lock:
-            self._open.setdefault(fragment_id, collections.Counter())[round_version] += tokens
-            self._close(fragment_id, version)
-
-    def totals(self, version_of: Callable[[int], int]) -> dict[int, int]:
-        """Merged tokens per fragment, given each fragment's current version."""
-        with self._lock:
-            for fragment_id in self._open:
-                self._close(fragment_id, version_of(fragment_id))
-            return dict(self._merged)
-
-    def _close(self, fragment_id: int, version: int) -> None:
-        rounds = self._open[fragment_id]
-        for round_version in [v for v in rounds if v <= version]:
-            self._merged[fragment_id] += rounds.pop(round_version)
-
-
 class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(
         self, aggregator: Aggregator, ingest_slots: int = 0, push_budget: PushBudget | None = None
@@ -101,38 +72,28 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.aggregator = aggregator
         self.traffic = Traffic()
         self.merged_tokens = MergedTokens()
-        # "accepted" or the rejection's status code name (a bounded set): for metrics.
-        self.push_results: collections.Counter[str] = collections.Counter()
-        self.pushes = PushLog()  # each learner's last accepted push (Status)
+        # "accepted" or the rejection's status code name (a bounded set), and the long-polls
+        # waiting now ("pulls"): for metrics.
+        self.push_results, self.waiting = Counts(), Counts()
         # Two per usable core: one push can be received while another is decoded.
         self._ingest = IngestSlots(ingest_slots or 2 * usable_cpus())
-        # Push payloads are received into buffers reserved from this (server/receive.py).
+        # Push payloads are received into buffers reserved from this (receive.py).
         self.push_budget = push_budget or PushBudget(None, 0.0)
-        self._push_results_lock = threading.Lock()
-        # Long-polls waiting now (for metrics): a client that goes away ends its wait.
-        self._waiting_pulls = 0
-        self._waiting_lock = threading.Lock()
 
     def count_push(self, result: str) -> None:
-        with self._push_results_lock:
-            self.push_results[result] += 1
-
-    def push_result_counts(self) -> dict[str, int]:
-        with self._push_results_lock:
-            return dict(self.push_results)
-
-    def waiting_pulls(self) -> int:
-        """PullParams calls blocked now waiting for a version."""
-        with self._waiting_lock:
-            return self._waiting_pulls
+        self.push_results.add(result)
 
     def _wait_for_version(self, request: pb.PullParamsRequest, context) -> None:
         """Long-poll for the asked version; returns early when the client goes away (cancels,
-        disconnects or reaches its deadline), so that the worker thread is freed at once."""
+        disconnects or reaches its deadline) or the call is asked to end (calls.py), so that
+        the worker thread is freed at once."""
         asked = request.wait_timeout_s
         wait_s = min(max(asked, 0.0), MAX_PULL_WAIT_S) if math.isfinite(asked) else 0.0
-        with self._waiting_lock:
-            self._waiting_pulls += 1
+        call = current_call()
+        if call is not None:
+            call.on_end(self.aggregator.wake)
+        ended = lambda: call is not None and call.reason is not None  # noqa: E731
+        self.waiting.add("pulls")
         try:
             # The callback wakes the waiters when the call ends; False: it has ended already.
             if context.add_callback(self.aggregator.wake):
@@ -140,14 +101,15 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     request.fragment_id,
                     request.wait_for_version,
                     wait_s,
-                    gone=lambda: not context.is_active(),
+                    gone=lambda: not context.is_active() or ended(),
                 )
         finally:
-            with self._waiting_lock:
-                self._waiting_pulls -= 1
+            self.waiting.add("pulls", -1)
+        if call is not None:
+            call.abort_if_ended()
 
     def _check_caller(self, session_id: str = "", learner_id: str = "") -> None:
-        """With authentication on, a learner may act only as itself (server/auth.py)."""
+        """With authentication on, a learner may act only as itself (auth.py)."""
         caller = authenticated_learner()
         if caller is None:
             return
@@ -185,7 +147,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_abort_on_domain_error
     def PushFragment(self, request_iterator: Iterator[pb.PushFragmentRequest], context):
-        first = next(request_iterator, None)  # chunks are views (server/push_wire.py)
+        first = next(request_iterator, None)  # chunks are views (receive.py ChunkViews)
         if not isinstance(first, pb.PushFragmentRequest) or not first.HasField("header"):
             raise InvalidArgument("a push must start with a header message")
         header = first.header
@@ -198,9 +160,6 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         initial = header.kind == pb.PUSH_KIND_INITIAL
         # Refuse stale, duplicate or unknown pushes before reading their payload.
         shapes = agg.check_push(header.session_id, fid, header.base_version, initial)
-        # Looked up now: once the push is counted, a lease that ran out meanwhile must not
-        # turn its answer into NOT_FOUND.
-        learner_id = agg.session_learner(header.session_id)
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
         limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
         if header.payload_bytes > limit:
@@ -217,7 +176,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             payload = receive_into(buffer, pieces)
             # A slot bounds how many payloads are decoded and added at once; a push is added
             # to the round's sum straight from the buffer, in its wire encoding, without a
-            # float32 copy of its own (server/ingest.py).
+            # float32 copy of its own (server/rounds/ingest.py).
             with self._ingest.take() as slot:
                 if initial:
                     tensors = [decode_values(t) for t in parse_fragment_view(payload, shapes)]
@@ -232,7 +191,6 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         inner_steps=header.inner_steps,
                     )
                     self.merged_tokens.add(fid, version, header.tokens, agg.version(fid))
-                    self.pushes.record(learner_id, fid, version)
         response = pb.PushFragmentResponse(accepted=True, round_version=version)
         self.count_push("accepted")
         self.traffic.count(fid, sent=response.ByteSize())
@@ -290,11 +248,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_abort_on_domain_error
     def DescribeShards(self, request: pb.DescribeShardsRequest, context):
-        return describe_shards(self.aggregator)
+        return _describe_shards(self.aggregator)
 
     @_abort_on_domain_error
     def Status(self, request: pb.StatusRequest, context) -> pb.StatusResponse:
-        return shard_status(self.aggregator, self.pushes)
+        return _shard_status(self.aggregator)
 
     def _traffic_key(self, fragment_id: int) -> int:
         """The fragment to count bytes under; unknown ids share one key (bounded labels)."""
@@ -304,14 +262,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         if not isinstance(msg, memoryview) and not msg.HasField("chunk"):
             raise InvalidArgument("only payload chunks may follow the push header")
         self.traffic.count(fragment_id, received=wire_bytes(msg))
-        # A view is a chunk, as server/push_wire.py reads them.
+        # A view is a chunk, as receive.py's ChunkViews reads them.
         return msg if isinstance(msg, memoryview) else msg.chunk
 
     def _stream(
         self, header: pb.PullHeader, parts: tuple[bytes, ...]
     ) -> Iterator[pb.PullParamsResponse]:
         """The header, then the payload's parts in chunks of at most PULL_CHUNK_BYTES. The parts
-        are shared between pulls (server/fragment.py) and never joined here: a stream holds
+        are shared between pulls (server/state/fragment.py) and never joined here: a stream holds
         one chunk at a time, whatever the model's size. Consecutive small parts (a chain's
         framing) go together in one message; the learner joins the chunks in order."""
         first = pb.PullParamsResponse(header=header)
@@ -343,3 +301,52 @@ def _pieces(parts: tuple[bytes, ...], size: int) -> Iterator[bytes]:
         yield from chunks(part, size)
     if small:
         yield b"".join(small)
+
+
+def _describe_shards(aggregator: Aggregator) -> pb.DescribeShardsResponse:
+    """This shard's index, the count, the advertised addresses and (once a learner joined)
+    the map id and owners."""
+    sharding = aggregator.config.sharding
+    shard_map, _ = aggregator.owned()
+    response = pb.DescribeShardsResponse(
+        shard_index=sharding.shard_index,
+        shard_count=sharding.shard_count,
+        addresses=sharding.addresses(),
+        fragments=aggregator.config.streaming.fragments,
+    )
+    if shard_map is not None:
+        response.map_id = shard_map.map_id
+        response.fingerprint_hash = shard_map.fingerprint_hash
+        response.fragment_owners.extend(shard_map.owners)
+    return response
+
+
+def _shard_status(aggregator: Aggregator) -> pb.StatusResponse:
+    """Live learners, the owned fragments' versions, outer steps taken, last pushes."""
+    sharding = aggregator.config.sharding
+    shard_map, owned = aggregator.owned(crc=True)
+    fragments = [
+        pb.FragmentStatus(
+            fragment_id=fid, version=version, owner=sharding.shard_index, params_crc32=crc
+        )
+        for fid, version, crc in owned
+    ]
+    learners = [
+        pb.LearnerStatus(
+            learner_id=learner_id,
+            live=live,
+            last_push_fragment=fid,
+            last_push_version=version,
+            last_push_age_s=age_s,
+        )
+        for learner_id, live, fid, version, age_s in aggregator.learner_pushes()
+    ]
+    return pb.StatusResponse(
+        shard_index=sharding.shard_index,
+        shard_count=sharding.shard_count,
+        map_id=shard_map.map_id if shard_map is not None else "",
+        mode=aggregator.config.rounds.mode,
+        fragments=fragments,
+        rounds_closed=sum(max(0, f.version) for f in fragments),
+        learners=learners,
+    )

@@ -11,16 +11,16 @@ and those copies waited on the aggregator lock, so the server's memory grew with
 of learners (bench/load.py: 1.6 GB for a 4 MiB model at 64 learners). Here a push stays in its
 wire encoding (4 bits per value for fp4) and is read twice: once before the lock, to check
 every value and compute the norm the NormGuard needs, and once straight into the round's sum
-(under the lock, or after it for a push added with the deferred ones: server/round_adds.py).
+(under the lock, or after it for a push added with the deferred ones: round.py).
 
-fp4 pushes take the C kernel (common/fp4_stats.c, common/fp4_accumulate.c), one pass over
+fp4 pushes take the C kernel (fp4_stats.c, fp4_accumulate.c in common/codec), one pass over
 the packed codes each, reading the wire bytes in place, with the GIL released so that pushes
 in other slots proceed in parallel. Profiled (bench/ingest.py --quick, py-spy), the torch
 chunk path spends ~27 ms per 4 M-value push on the checks and ~17 ms under the lock on the
 add, so the lock caps ingest near 2 MiB / 17 ms; the kernel takes ~0.3 ms (AVX2 table
 lookups) and ~0.7 ms (the decode in registers; the sum's 16 MB read and write make it
 memory bound on a busy machine). A push's bytes come from its receive buffer
-(server/receive.py), read in place.
+(server/rpc/receive.py), read in place.
 The add is bit-identical to torch's `add_(values, alpha=w)`, whose rounding differs by CPU
 (one FMA in its AVX2/AVX512 kernels, a multiply then an add in its baseline ones): the
 kernel's mode is chosen by measuring torch in this process (Kernel.torch_add_mode), and where
@@ -30,7 +30,7 @@ from the torch path's float64 dot product in the last bits; max |value| is exact
 
 A round's sum is float32 and a large fragment's does not fit in any cache, so an add also
 moves the whole sum through memory. Pushes are therefore added a few at a time: a round may
-hold back up to server.fragment.DEFERRED_PUSHES accepted fp4 pushes (their receive buffers
+hold back up to round.DEFERRED_PUSHES accepted fp4 pushes (their receive buffers
 held, PushBody.defer) and add them with the next one in a single pass (add_in_turn), the
 kernel adding every push to one cache-sized tile of the sum before the next tile; the
 per-element operations and their order are those of one add after another, so the sum is
@@ -39,15 +39,15 @@ bit-identical. bench/ingest.py (server_paths) measures it against one add per pu
 
 Sparse pushes were decoded by the parser into their kept entries (a fraction of the values,
 in proportion to the payload): the norm reads those, and the add scatters them into a zeroed
-chunk. Other codecs (and the torch path) decode `CHUNK_VALUES` at a time: a chunk of float32 stays
-in the CPU cache between the decode and the add, so the second decode costs less than the
+chunk. Other codecs (and the torch path) decode `CHUNK_VALUES` at a time: a chunk of float32
+stays in the CPU cache between the decode and the add, so the second decode costs less than the
 memory traffic of a full copy.
 
-A push is read through the wire format's one parser (common.fragment_wire.parse_fragment), as
-common.wire.decode_fragment reads it, so both refuse the same payloads with the same words
+A push is read through the wire format's one parser (common/codec/tensor.py parse_fragment),
+as decode_fragment reads it, so both refuse the same payloads with the same words
 (tests/unit/test_ingest.py). Only the values are checked here, a chunk at a time, with
 decode_values' words; they are bit-identical to decode's: chunks are decoded by
-`common.codec.dequantize_fp4` itself, and an element-wise add over a slice gives the same
+`dequantize_fp4` itself, and an element-wise add over a slice gives the same
 float32 as over the whole tensor.
 """
 
@@ -140,14 +140,14 @@ class PushBody:
 
     def sent_positions(self) -> list[torch.Tensor | None]:
         """Per tensor, the flat positions of the values it sent (a sparse tensor's nonzero
-        kept values), or None for a dense tensor's every value (server/sparse_mean.py)."""
+        kept values), or None for a dense tensor's every value (round.SenderWeights)."""
         entries = [t.entries for t in self._tensors]
         return [None if e is None else e[0][e[1] != 0] for e in entries]
 
     def defer(self) -> bool:
         """Keep this push's bytes past its call, to be added later with others in one pass
         (add_in_turn); False when it cannot be: not all fp4 through the kernel, or its
-        receive buffer may not be held (server/receive.py PushBudget.hold). A deferred
+        receive buffer may not be held (server/rpc/receive.py PushBudget.hold). A deferred
         body is valid until add_in_turn releases it."""
         if self._hold is None or self._release is not None or not self.combinable():
             return False
@@ -310,9 +310,9 @@ class IngestSlot:
         hold: Hold | None = None,
     ) -> PushBody:
         """Check a serialized EncodedFragment against the fragment's shapes and read its norm
-        and largest magnitude; raises InvalidArgument as common.wire.decode_fragment does.
+        and largest magnitude; raises InvalidArgument as decode_fragment does.
 
-        A memoryview (a receive buffer, server/receive.py) is read in place: the body's
+        A memoryview (a receive buffer, server/rpc/receive.py) is read in place: the body's
         tensors are views of it, valid while it is. With `release`, a bytearray `data` is
         emptied once protobuf has parsed (copied) it. `hold` keeps `data` valid past the
         call for a deferred add (PushBody.defer)."""

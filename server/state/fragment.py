@@ -1,4 +1,5 @@
-"""One fragment's global state: parameters, version, outer optimizer, open round, update log.
+"""One fragment's global state: parameters, version, outer optimizer, open round, update log,
+and the answers to pulls.
 
 With a 4-bit or sparse pull codec the server applies each outer update as θ ← θ + Q(u + e),
 where u is the Nesterov update, Q the codec's quantize-dequantize and e the residual of
@@ -21,15 +22,14 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 import weakref
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from common.codec.fragment import (
+    ALIGN_VALUES,
     DEFAULT_SPARSE_K,
     TensorBytes,
     UpdateEncoder,
@@ -39,46 +39,11 @@ from common.codec.fragment import (
 from common.codec.framing import chain_parts
 from common.codec.tensor import codec_id, parse_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from server.ingest import DenseBody, PushBody, add_in_turn
-from server.outer import STATE_DTYPES, OuterOptimizer
-from server.round_adds import AddTicket, OrderedAdds
-from server.sparse_mean import SenderWeights
+from server.rounds.outer import CHUNK_VALUES, STATE_DTYPES, OuterOptimizer
+from server.rounds.round import Round
 
-# Accepted fp4 pushes a round may hold back to add with the next one in a single pass over
-# its sum (server/ingest.py add_in_turn): a 16 M-value fragment's float32 sum is 64 MiB, which
-# one add per push moves through memory each time. Their receive buffers stay held meanwhile,
-# within the push memory budget (server/receive.py PushBudget.hold).
-DEFERRED_PUSHES = 3
-
-
-@dataclass
-class Round:
-    """Contributions to the next version, summed so memory stays O(model)."""
-
-    delta_sum: list[torch.Tensor] | None = None  # Σ weight·discount·Δ
-    weight_sum: float = 0.0  # Σ weight (undiscounted: stale contributions shrink the step)
-    contributors: set[str] = field(default_factory=set)
-    # Learners whose push the norm guard refused: the round does not wait for them, and a
-    # round that ends with no accepted push takes no step (server/rounds.py).
-    excused: set[str] = field(default_factory=set)
-    pushes: int = 0
-    tokens: int = 0
-    quorum_since: float | None = None  # clock time the round first had enough contributors
-    opened_at: float | None = None  # clock time of the round's first push
-    # Σ weight·discount·max|Δ|: a bound on max|delta_sum|, so a push that could overflow the
-    # float32 sum is refused before it is added (Aggregator.push).
-    abs_bound: float = 0.0
-    # With robust_merge trimmed-mean: each push's discounted Δ, which the trimmed mean
-    # replaces the weighted sum with at the close (server/rounds.py); else None.
-    kept: list[list[torch.Tensor]] | None = None
-    # Accepted pushes not yet in delta_sum (their weight, bound and counts are): added
-    # together with the next push, or at the close (FragmentState.add, settle).
-    deferred: list[tuple[PushBody, float]] = field(default_factory=list)
-    # Batches of pushes to add to delta_sum outside the aggregator's lock, in order
-    # (server/round_adds.py); anything that reads delta_sum runs them first (settle).
-    adds: OrderedAdds = field(default_factory=OrderedAdds)
-    # With sparse_mean "senders": per value, Σ weight of the pushes that sent it.
-    senders: SenderWeights | None = None
+if CHUNK_VALUES % ALIGN_VALUES:
+    raise RuntimeError("outer chunks must start where the pull codec's encoding can split")
 
 
 @dataclass(frozen=True)
@@ -104,15 +69,9 @@ class PullResult:
         return b"".join(bytes(p) if isinstance(p, TensorBytes) else p for p in self.parts)
 
 
-@dataclass(frozen=True)
-class RoundSummary:
-    version: int
-    contributors: int
-    tokens: int
-    outer_step_s: float
-
-
 class FragmentState:
+    """A fragment's parameters, version, outer state, open round and update log."""
+
     def __init__(
         self,
         fragment_id: int,
@@ -134,7 +93,7 @@ class FragmentState:
         self.pull_sparse_k = pull_sparse_k  # values kept per chunk by a sparse pull codec
         self.params: list[torch.Tensor] | None = None
         self.version = -1
-        self.round = Round()
+        self.round = Round(list(shapes), sparse_mean)  # rounds/round.py changes it
         self._residual: list[torch.Tensor] | None = None
         # (version the update starts from, the serialized EncodedFragment of the quantized
         # update) for the newest versions: serialized once, shared by every pull's chain.
@@ -147,12 +106,6 @@ class FragmentState:
         self.snapshots_frozen = 0  # snapshot tensors copied because a pull still streamed them
         self._crc: tuple[int, int] | None = None  # (version, params_crc32)
         self._numel = sum(math.prod(shape) for shape in shapes)
-        # The last round's sum, reused by the next round: no model-sized allocation per round.
-        self._spare_sum: list[torch.Tensor] | None = None
-        self.sparse_mean = sparse_mean  # server/sparse_mean.py
-        self._spare_senders: list[torch.Tensor] | None = None  # as _spare_sum
-        # learner -> base_version of its last accepted push: a retried push counts once.
-        self.last_push_base: dict[str, int] = {}
 
     def initialize(self, tensors: list[torch.Tensor]) -> None:
         self.params = [
@@ -161,97 +114,9 @@ class FragmentState:
         ]
         self.version = 0
 
-    def add(
-        self,
-        learner_id: str,
-        body: PushBody | DenseBody,
-        tokens: int,
-        weight: float = 1.0,
-        discount: float = 1.0,
-        keep: bool = False,
-        add_later: bool = False,
-    ) -> AddTicket | None:
-        """Add a pseudo-gradient with its weight and staleness discount to the open round.
-
-        A PushBody is decoded into the sum a chunk at a time (server/ingest.py): no
-        per-learner float32 copy of the fragment is made unless `keep` asks for one (the
-        discounted Δ, for a trimmed mean). A push that is neither the round's first nor
-        deferred is added with the deferred ones; with `add_later`, that add is queued on
-        the round's `adds` and its ticket returned: the caller runs the queue once it has
-        released the aggregator's lock, before the push's buffer and slot are given back,
-        and then checks the ticket (server/round_adds.py). Otherwise None."""
-        rnd, scale, ticket = self.round, weight * discount, None
-        if keep:
-            rnd.kept = (rnd.kept or []) + [body.add_to(None, discount)]
-        if rnd.delta_sum is None and self._spare_sum is not None:
-            rnd.delta_sum = body.add_to(self._spare_sum, scale, overwrite=True)
-            self._spare_sum = None
-        elif rnd.delta_sum is None:
-            rnd.delta_sum = body.add_to(None, scale)
-        elif len(rnd.deferred) < DEFERRED_PUSHES and not keep and body.defer():
-            rnd.deferred.append((body, scale))
-        else:  # emptied first: add_in_turn releases their buffers even if it fails
-            pending, rnd.deferred = rnd.deferred, []
-            ticket = rnd.adds.put([*pending, (body, scale)], rnd.delta_sum)
-            if not add_later:
-                rnd.adds.run()
-                ticket.check()
-                ticket = None
-        if self.sparse_mean == "senders":
-            rnd.senders = rnd.senders or SenderWeights(self.shapes, self._spare_senders)
-            rnd.senders.add(body.sent_positions(), weight)
-        rnd.abs_bound += scale * body.max_abs
-        rnd.weight_sum += weight
-        rnd.contributors.add(learner_id)
-        rnd.excused.discard(learner_id)
-        rnd.pushes += 1
-        rnd.tokens += tokens
-        return ticket
-
-    def settle(self) -> None:
-        """Add the round's queued and deferred pushes to its sum now, in the order they were
-        accepted (before anything reads the sum)."""
-        rnd = self.round
-        rnd.adds.run()
-        if rnd.deferred:
-            assert rnd.delta_sum is not None  # a round's first push is never deferred
-            pending, rnd.deferred = rnd.deferred, []  # as in add
-            add_in_turn(pending, rnd.delta_sum)
-
-    def close_round(
-        self,
-        expected_weight: float = 0.0,
-        record: Callable[[list[torch.Tensor]], None] | None = None,
-    ) -> RoundSummary:
-        """Average the round's pseudo-gradients and apply one outer step.
-
-        The sum is divided by the larger of the round's weight and `expected_weight` (the
-        weight a full round would carry): a partial round then takes a partial step. With
-        sparse_mean senders each value is divided by its senders' weight instead (times the
-        round's weight over that larger one: server/sparse_mean.py).
-        `record(mean)` is called after the step (the durable log): the mean lives in the
-        round's sum buffer, which is then kept for the next round instead of freed.
-        """
-        self.settle()
-        rnd, started = self.round, time.perf_counter()
-        assert rnd.delta_sum is not None and self.params is not None  # caller checked
-        denominator = max(rnd.weight_sum, expected_weight)
-        if rnd.senders is not None and rnd.senders.values is not None:
-            fullness = rnd.weight_sum / denominator
-            self._spare_senders = rnd.senders.divide(rnd.delta_sum, fullness)
-            mean = rnd.delta_sum
-        else:
-            mean = [acc.div_(denominator) for acc in rnd.delta_sum]
-        self.apply_mean(mean)
-        self.round = Round()
-        if record is not None:
-            record(mean)
-        self._spare_sum = mean
-        return RoundSummary(self.version, rnd.pushes, rnd.tokens, time.perf_counter() - started)
-
     def apply_mean(self, mean: list[torch.Tensor]) -> None:
         """One outer step along the round's mean pseudo-gradient; deterministic, so replaying
-        the logged means from a snapshot rebuilds the exact state (server/persistence.py). The
+        the logged means from a snapshot rebuilds the exact state (store.py). The
         mean is left as it was."""
         if self.params is None:
             raise RuntimeError(f"fragment {self.fragment_id} has no parameters to update")
@@ -321,7 +186,7 @@ class FragmentState:
 
     def _chain(self, have_version: int, crc: int) -> PullResult:
         """The serialized FragmentUpdates from `have_version`: the logged updates' own bytes
-        with a few bytes of framing (common/fragment_wire.py: chain_parts)."""
+        with a few bytes of framing (common/codec/framing.py: chain_parts)."""
         logged = (data for start, data in self._updates if start >= have_version)
         return PullResult(
             pb.PULL_KIND_UPDATES, self.version, chain_parts(have_version, logged), crc
@@ -335,9 +200,9 @@ class FragmentState:
 
     def _apply_quantized(self, mean: list[torch.Tensor]) -> None:
         """θ += Q(u + e), e ← (u + e) − Q(u + e), a chunk of the outer update u at a time, and
-        log Q(u + e) as a serialized EncodedFragment (server/pull_encoder.py). Element-wise
+        log Q(u + e) as a serialized EncodedFragment (codec UpdateEncoder). Element-wise
         the same operations as on whole tensors (and the same bytes as
-        common.wire.encode_fragment), without any float32 temporary of the model's size: the
+        encode_fragment), without any float32 temporary of the model's size: the
         server's memory stays at parameters, momentum, residual and the round's sum
         (tests/unit/test_fragment_memory.py). With a sparse codec Q keeps the top k of every
         chunk and e holds all the rest, so the served parameters are exactly the sum of the
@@ -358,7 +223,7 @@ class FragmentState:
                 raise ValueError("cannot encode a tensor with NaN or infinite values")
             quantized = encoder.add(i, start, u)
             torch.sub(u, quantized, out=residual)
-            # The same float32 addition every learner does (common.wire.apply_updates).
+            # The same float32 addition every learner does (common/codec/fragment.py apply_updates).
             self.params[i].view(-1)[start:stop].add_(quantized)
         self._log_update(encoder.serialized())
 
