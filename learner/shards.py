@@ -1,4 +1,5 @@
-"""The learner's client for an aggregator run as N shards (docs/architecture.md, Sharding).
+"""The learner's client for an aggregator run as N shards (docs/architecture.md, Sharding);
+a plain server is shard 0 of 1, and goes through the same code.
 
     client = ShardedClient(["a:50051", "b:50051"], credentials, metadata)
     reply = client.join(learner_id, fingerprint)   # joins every shard, checks they agree
@@ -18,20 +19,19 @@ answers fails.
 
 Heartbeats go to every shard at once, each bounded by a third of the lease; a shard that
 cannot be reached is skipped (its fragments keep their last known versions) while the live
-ones renew the lease. With N > 1, a shard that no longer knows the learner's session (it
-restarted: a new epoch, or NOT_FOUND for a push, pull or heartbeat) is noted in
-`lost_shards()`, and `join_shard` joins it alone again, whatever the other shards' state:
-one that is down meanwhile does not hold it up. With one shard every call is passed through
-as it is, and a lost session is the caller's to rejoin.
+ones renew the lease. Every call in a session goes through ShardSessions.noting_lost, and
+every heartbeat's epoch through ShardSessions.note_epoch (learner/shard_sessions.py, the one
+place that reads NOT_FOUND or a new epoch as a lost session): a shard that lost the session
+is noted in `lost_shards()`, and `join_shard` joins it alone again (learner/rejoin.py),
+whatever the other shards' state: one that is down meanwhile does not hold it up.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import grpc
 
@@ -41,9 +41,9 @@ from common.traffic import Traffic
 from learner.client import AggregatorClient
 from learner.heartbeat import Membership
 from learner.shard_map import ShardMapError, check_shard, version_in
-from learner.shard_sessions import SEP, ShardSessions, session_of
+from learner.shard_sessions import SEP, SessionLost, ShardSessions, session_of
 
-__all__ = ["SEP", "NotConnected", "ShardMapError", "ShardedClient"]
+__all__ = ["SEP", "NotConnected", "SessionLost", "ShardMapError", "ShardedClient"]
 
 log = logging.getLogger("diloco.learner")
 
@@ -51,7 +51,7 @@ log = logging.getLogger("diloco.learner")
 # goes on without them (they are joined when they answer: learner/rejoin.py).
 ABSENT_GRACE_S = 10.0
 _READY_POLL_S = 0.05
-# How long a join (N > 1) waits for a shard to answer a DescribeShards before it counts the
+# How long a join waits for a shard to answer a DescribeShards before it counts the
 # shard as away: an address that drops packets would otherwise hold the learner (its
 # training thread, at a rejoin) for gRPC's connect timeout (20 s) at every try. Longer than
 # the channels' reconnect backoff (at most 2 s, common/rpc.py): a shard that is back answers.
@@ -106,7 +106,7 @@ class ShardedClient:
         return self.sessions.membership()
 
     def lost_shards(self) -> set[int]:
-        """The shards (N > 1) that no longer know the current session: join_shard them."""
+        """The shards that no longer know the current session: join_shard them."""
         return self.sessions.lost()
 
     def away(self) -> set[int]:
@@ -175,29 +175,25 @@ class ShardedClient:
         epoch stand for all of them."""
         self.discover()
         join = (learner_id, fingerprint, tokens_per_step)
-        if len(self._clients) == 1:
-            reply = self._clients[0].join(*join)
-            self._owners = [0] * len(reply.fragments)
-            self._remember([reply], reply.fragments)
-            return reply
         replies: list[pb.JoinResponse | None] = []
-        unreachable: grpc.RpcError | None = None
+        unreachable: dict[int, grpc.RpcError] = {}
         for shard in range(self.shard_count):
             try:
                 replies.append(self._join_shard(shard, *join))
             except grpc.RpcError as err:  # retryable: the shard is away (others raise)
                 replies.append(None)
-                unreachable = unreachable or err
-                log.warning(
-                    "shard=%d at %s unreachable at join (%s); joining the others, it is "
-                    "joined when it answers",
-                    shard,
-                    self.addresses[shard],
-                    err.code().name,
-                )
+                unreachable[shard] = err
         answered = [shard for shard, r in enumerate(replies) if r is not None]
         if not answered:
-            raise unreachable  # type: ignore[misc]  # every shard raised
+            raise unreachable[0]  # the session backs off and joins again
+        for shard, err in unreachable.items():
+            log.warning(
+                "shard=%d at %s unreachable at join (%s); joining the others, it is "
+                "joined when it answers",
+                shard,
+                self.addresses[shard],
+                err.code().name,
+            )
         self._map = first = replies[answered[0]]
         for shard in answered:  # the first against itself first: its index, N
             check_shard(replies[shard], shard, self.addresses[shard], self.shard_count, first)
@@ -211,7 +207,7 @@ class ShardedClient:
             fragment.version = (
                 -1 if owner is None else version_in(owner.fragments, fragment.fragment_id)
             )
-        self._remember(replies, reply.fragments)
+        self._remember(replies, reply.fragments, learner_id)
         joined = self.sessions.membership()
         reply.session_id, reply.server_epoch = joined.session_id, joined.server_epoch
         reply.lease_s = joined.lease_s
@@ -220,7 +216,7 @@ class ShardedClient:
     def join_shard(
         self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens: int = 0
     ) -> pb.JoinResponse:
-        """Join one shard again (N > 1; join's arguments), the others' sessions untouched.
+        """Join one shard again (join's arguments), the others' sessions untouched.
         ShardMapError, naming the shard, unless it agrees with the map of the last join."""
         if self._map is None:
             raise RuntimeError("join_shard() before the first join")
@@ -237,7 +233,7 @@ class ShardedClient:
         mine = pb.PushHeader()
         mine.CopyFrom(header)
         mine.session_id = session_of(header.session_id, shard, self.shard_count)
-        with self._noting_lost(shard, mine.session_id):
+        with self.sessions.noting_lost(shard, mine.session_id, "push"):
             return self._clients[shard].push(mine, payload)
 
     def pull(
@@ -250,7 +246,7 @@ class ShardedClient:
     ) -> tuple[pb.PullHeader, bytes]:
         shard = self.shard_of(fragment_id)
         session = session_of(session_id, shard, self.shard_count)
-        with self._noting_lost(shard, session):
+        with self.sessions.noting_lost(shard, session, "pull"):
             return self._clients[shard].pull(
                 session, fragment_id, have_version, wait_for_version, wait_timeout_s
             )
@@ -259,8 +255,6 @@ class ShardedClient:
         """Every shard's heartbeat in one answer, whose epoch is the session's as joined. A
         shard that lost the session (NOT_FOUND, or a new epoch) is noted in lost_shards();
         an error is raised only if no shard answered (an unreachable one first)."""
-        if self.shard_count == 1:
-            return self._clients[0].heartbeat(request)
         # Sent at once, each bounded by a third of the lease: a shard that does not answer
         # (down, or its address black-holed) must not hold back the others' renewals.
         timeout_s = max(1.0, self.membership().lease_s / 3)
@@ -270,24 +264,21 @@ class ShardedClient:
                 for shard in range(self.shard_count)
             }
         replies: dict[int, pb.HeartbeatResponse] = {}
-        lost = unreachable = None
+        lost: SessionLost | None = None
+        unreachable: dict[int, grpc.RpcError] = {}
         for shard, future in futures.items():
             try:
                 replies[shard] = future.result()
+            except SessionLost as err:  # noted where it is read (ShardSessions)
+                lost = err
             except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND:
-                    lost = err
-                elif is_retryable(err):
-                    unreachable = err
-                    log.warning("shard=%d heartbeat failed: %s", shard, err.code().name)
-                else:
+                if not is_retryable(err):
                     raise
-                continue
-            if replies[shard].server_epoch != self.sessions.epoch_of(shard):
-                session = session_of(request.session_id, shard, self.shard_count)
-                self.sessions.note_lost(shard, session)  # it restarted
-        if not replies:
-            raise unreachable or lost
+                unreachable[shard] = err
+        if not replies:  # the caller logs the one failure
+            raise next(iter(unreachable.values())) if unreachable else lost
+        for shard, err in unreachable.items():
+            log.warning("shard=%d heartbeat failed: %s", shard, err.code().name)
         return self._merged(replies)
 
     def _beat(
@@ -296,8 +287,10 @@ class ShardedClient:
         mine = pb.HeartbeatRequest()
         mine.CopyFrom(request)
         mine.session_id = session_of(request.session_id, shard, self.shard_count)
-        with self._noting_lost(shard, mine.session_id):
-            return self._clients[shard].heartbeat(mine, timeout_s)
+        with self.sessions.noting_lost(shard, mine.session_id, "heartbeat"):
+            reply = self._clients[shard].heartbeat(mine, timeout_s)
+        self.sessions.note_epoch(shard, mine.session_id, reply.server_epoch)
+        return reply
 
     def leave(self, session_id: str) -> None:
         """Leave every shard; the first failure is raised once all were tried."""
@@ -324,8 +317,10 @@ class ShardedClient:
             self._probe(shard)
             return self._clients[shard].join(learner_id, fingerprint, tokens)
         except grpc.RpcError as err:
-            if is_retryable(err):
-                raise  # the session backs off and joins again
+            # Retryable: the session backs off and joins again. A plain server's refusal
+            # needs no shard named: the learner says what the server answered.
+            if is_retryable(err) or self.shard_count == 1:
+                raise
             raise ShardMapError(
                 f"shard {shard} at {self.addresses[shard]} refused the join: "
                 f"{err.code().name}: {err.details()}"
@@ -342,22 +337,15 @@ class ShardedClient:
             raise
 
     def _remember(
-        self, replies: Sequence[pb.JoinResponse | None], fragments: Sequence[pb.FragmentLayout]
+        self,
+        replies: Sequence[pb.JoinResponse | None],
+        fragments: Sequence[pb.FragmentLayout],
+        learner_id: str,
     ) -> None:
         """Take in a join of the shards: `replies` in shard order (None: the shard was
         away), `fragments` each at its owner's version."""
         self._versions = [f.version for f in sorted(fragments, key=lambda f: f.fragment_id)]
-        self.sessions.joined_all(replies)
-
-    @contextmanager
-    def _noting_lost(self, shard: int, session: str) -> Iterator[None]:
-        """Note the shard as lost if it answers NOT_FOUND to a call in `session`."""
-        try:
-            yield
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                self.sessions.note_lost(shard, session)
-            raise
+        self.sessions.joined_all(replies, learner_id)
 
     def _merged(self, replies: dict[int, pb.HeartbeatResponse]) -> pb.HeartbeatResponse:
         for fid, owner in enumerate(self._owners):

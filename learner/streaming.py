@@ -237,8 +237,8 @@ class StreamingSync:
                 continue
             clock = step if inner_step is None else inner_step
             if p in away:
-                # Its shard would answer NOT_FOUND, or not at all. These steps are not
-                # claimed later: the shard's rejoin replaces the fragment's local values.
+                # Its shard does not know the session now, or does not answer: nothing to
+                # push to. The next push claims only the steps after this one.
                 self.stats.skipped_pushes += 1
                 self._last_push_step[p] = clock
                 continue

@@ -50,7 +50,7 @@ def test_a_shard_that_does_not_answer_holds_back_no_renewal() -> None:
             pb.JoinResponse(session_id=f"s{i}", server_epoch=10 + i, lease_s=LEASE_S)
             for i in range(2)
         ]
-        client.sessions.joined_all(replies)
+        client.sessions.joined_all(replies, "l0")
         client._owners, client._versions = [0, 1], [0, 0]
         asked = threading.Event()
         hole, live = BlackHole(asked), Live(asked, epoch=11)
