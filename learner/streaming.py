@@ -320,7 +320,7 @@ class StreamingSync:
             self._take_global(replica)
 
     def load_globals(self, keep: Collection[int] = ()) -> None:
-        """Set the local parameters to the global replicas exactly (at start or re-sync),
+        """Set the local parameters to the global replicas exactly (at the end of a run),
         but for the fragments in `keep` (their shard is away: no global value to take)."""
         for replica in self.replicas:
             if replica.fragment_id not in keep:
