@@ -8,12 +8,12 @@
 
 A heartbeat renews the learner's lease (every lease_s / 3) and brings back what the server
 sees: the fragments' versions, the live learners' median step time and their schedule step.
-A shard that no longer knows the session (NOT_FOUND, or a new epoch) is noted by the client
-(learner/shard_sessions.py), not here.
 The pacer turns those into how far one inner step moves this learner's schedule: dynamic
 local updates (a slower learner syncs after fewer of its own steps) and phase alignment
 (steer towards the others' schedule step). Both apply in quorum and async mode only: in sync
-mode every learner keeps the same schedule and the rounds wait for everyone anyway.
+mode every learner keeps the same schedule and the rounds wait for everyone anyway. A shard
+that no longer knows the session (NOT_FOUND, or a heartbeat with a new epoch) is noted lost
+by the client as it answers (learner/shard_sessions.py), not here.
 """
 
 from __future__ import annotations
