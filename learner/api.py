@@ -112,7 +112,8 @@ class DilocoSync:
         self, loss: float = math.nan, tokens: int | None = None, compute_s: float | None = None
     ) -> bool:
         """Call once after each inner optimizer step. Returns True if the model's parameters
-        were changed by a merge (or a re-sync after the server restarted).
+        were changed by a merge, or by a rejoin after a server restart that gave a fragment
+        the server's values (it had moved it, or lost versions).
 
         `tokens`: this step's, if not tokens_per_step. `compute_s`: the seconds the step
         computed, which the server adapts its grace window to (default: the time since the
@@ -127,7 +128,7 @@ class DilocoSync:
         before = self.session.step
         changed = self.session.after_inner_step()
         # An outer step each time the schedule passes a multiple of H (it may advance several
-        # steps at once: dynamic local updates, or a rejoin).
+        # steps at once: dynamic local updates).
         h = self.config.sync.sync_every_steps
         if self.session.step // h > before // h:
             p.outer_steps += 1
@@ -189,8 +190,9 @@ class DilocoSync:
 
     @property
     def shards_away(self) -> int:
-        """Shards (of N > 1) that do not know this learner's session now: down, restarted
-        and not joined again yet, or never reached. Their fragments do not sync meanwhile."""
+        """Shards (a plain server is shard 0 of 1) that do not know this learner's session
+        now: restarted and not joined again yet, or never reached. Their fragments do not
+        sync meanwhile."""
         return len(self.session.client.lost_shards())
 
     @property

@@ -9,20 +9,34 @@ global fragments the learner holds with their versions, and an echo of the confi
 restarted learner loads it, joins, and pulls only the updates since the saved versions
 (learner/session.py); a fragment the run has not moved meanwhile keeps the local parameters,
 so no inner step since the last push is lost. Steps taken after the last checkpoint are.
+
+The built-in job (learner/trainer.py) writes and restores its checkpoint through
+JobCheckpoint, so that the format is written here, where it is read and checked:
+
+    checkpoint = JobCheckpoint(learner, directory, specs)
+    checkpoint.restore()                 # before the run, if the directory holds one
+    if checkpoint.due(inner_steps): checkpoint.save()
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from common.atomic import atomic_write
+from common.config import flat_values
 from learner.progress import SavedReplica
+
+if TYPE_CHECKING:
+    from learner.trainer import Learner
+
+log = logging.getLogger("diloco.learner")
 
 CHECKPOINT_NAME = "checkpoint.pt"
 FORMAT_VERSION = 1
@@ -97,3 +111,89 @@ class CheckpointClock:
             self.last_s = time.monotonic()
             return True
         return False
+
+
+class JobCheckpoint:
+    """The built-in job's checkpoint: its model, inner optimizer, data position, schedule
+    step, progress and the sync's replicas. On an island rank 0 reads and writes it, and
+    hands the other ranks what they need to go on in step (optimizer, data, progress)."""
+
+    def __init__(self, job: Learner, directory: Path, specs: list[tuple[str, list[int], str]]):
+        """`specs`: the model's parameters as (name, shape, dtype), which a checkpoint must
+        match to be restored."""
+        self.job, self.directory, self.specs = job, directory, specs
+        ckpt = job.config.checkpoint
+        self._clock = CheckpointClock(ckpt.checkpoint_every_steps, ckpt.checkpoint_every_s)
+
+    def due(self, inner_steps: int) -> bool:
+        return self._clock.due(inner_steps)
+
+    def save(self) -> None:
+        """Write the checkpoint (rank 0; the ranks' states are identical)."""
+        job = self.job
+        if job.sync is None:
+            return
+        started = time.perf_counter()
+        state = {
+            "format": FORMAT_VERSION,
+            "learner_id": job.config.connection.learner_id,
+            "config": flat_values(job.config),
+            "fingerprint": [list(spec) for spec in self.specs],
+            "model": {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()},
+            "optimizer": job.optimizer.state_dict(),
+            "data": job.batches.state_dict(),
+            "step": job.sync.schedule_step,
+            "progress": {f: getattr(job.progress, f) for f in PROGRESS_FIELDS},
+            "fragments": job.sync.state_dict()["fragments"],
+            "island_size": job.island.world_size,
+            "saved_unix_s": time.time(),
+        }
+        path = save_checkpoint(self.directory, state)
+        log.info(
+            "learner=%s checkpoint step=%d data_position=%d to %s in %.3f s",
+            job.progress.learner_id,
+            job.progress.inner_steps,
+            job.batches.position,
+            path,
+            time.perf_counter() - started,
+        )
+
+    def restore(self) -> None:
+        """Resume from the checkpoint in the directory, if there is one; rank 0 reads it and
+        hands the other ranks the optimizer state, data position and progress."""
+        job, island = self.job, self.job.island
+        state, error = None, None
+        if island.is_leader:
+            try:
+                state = load_checkpoint(self.directory)
+                if state is not None:
+                    check_compatible(state, self.directory, job.progress.learner_id, self.specs)
+            except ValueError as err:
+                error = str(err)
+        # Every rank learns the outcome, so a bad checkpoint ends all of them with the same
+        # one-line error instead of leaving the others waiting in the broadcast below.
+        error = island.broadcast_object(error)
+        if error is not None:
+            raise ValueError(error)
+        keys = ("optimizer", "data", "progress")
+        shared = island.broadcast_object(state and {k: state[k] for k in keys})
+        if shared is None:
+            return
+        job.batches.load_state_dict(shared["data"])
+        job.optimizer.load_state_dict(shared["optimizer"])
+        for name in PROGRESS_FIELDS:
+            setattr(job.progress, name, shared["progress"][name])
+        job.progress.resumed_at_inner_step = job.progress.inner_steps
+        if state is not None and job.sync is not None:
+            job.model.load_state_dict(state["model"])
+            job.sync.load_state_dict(
+                {k: getattr(job.progress, k) for k in ("inner_steps", "outer_steps", "tokens")}
+                | {"fragments": state["fragments"]}
+            )
+            log.info(
+                "learner=%s resuming from checkpoint step=%d data_position=%d versions=%s",
+                job.progress.learner_id,
+                job.progress.inner_steps,
+                job.batches.position,
+                [f["version"] for f in state["fragments"]],
+            )

@@ -1,7 +1,7 @@
 """Heartbeats, and the pace they steer: lease renewal and where the other learners are.
 
     pacer = Pacer(config.sync)
-    heartbeat = Heartbeat(client, learner_id, progress, pacer, membership, schedule_step, lost)
+    heartbeat = Heartbeat(client, learner_id, progress, pacer, membership, schedule_step)
     heartbeat.start()
     ... pacer.steps(progress) schedule steps after each inner step ...
     heartbeat.stop()
@@ -11,7 +11,9 @@ sees: the fragments' versions, the live learners' median step time and their sch
 The pacer turns those into how far one inner step moves this learner's schedule: dynamic
 local updates (a slower learner syncs after fewer of its own steps) and phase alignment
 (steer towards the others' schedule step). Both apply in quorum and async mode only: in sync
-mode every learner keeps the same schedule and the rounds wait for everyone anyway.
+mode every learner keeps the same schedule and the rounds wait for everyone anyway. A shard
+that no longer knows the session (NOT_FOUND, or a heartbeat with a new epoch) is noted lost
+by the client as it answers (learner/shard_sessions.py), not here.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class Pacer:
 
 
 class Heartbeat:
-    """Renews the lease on a daemon thread; flags `lost` when the session is gone."""
+    """Renews the lease on a daemon thread, and keeps what the server reports."""
 
     def __init__(
         self,
@@ -119,14 +121,11 @@ class Heartbeat:
         pacer: Pacer,
         membership: Callable[[], Membership],
         schedule_step: Callable[[], int],
-        lost: threading.Event,
     ) -> None:
-        """`membership`, `schedule_step`: the session's current values, read at each beat.
-        `lost` is set when the server no longer knows the session (it restarted, or the
-        lease ran out): the training loop then joins again."""
+        """`membership`, `schedule_step`: the session's current values, read at each beat."""
         self.client, self.learner_id = client, learner_id
         self.progress, self.pacer = progress, pacer
-        self.membership, self.schedule_step, self.lost = membership, schedule_step, lost
+        self.membership, self.schedule_step = membership, schedule_step
         self.server_versions: list[int] = []  # per fragment, from the last heartbeat
         self._stop = threading.Event()
 
@@ -153,20 +152,11 @@ class Heartbeat:
         )
         try:
             reply = self.client.heartbeat(request)
-            if self.membership().session_id != joined.session_id:
-                return  # a rejoin happened meanwhile; this answer is about the old one
-            self.server_versions = list(reply.fragment_versions)
-            self.pacer.median_step_time_s = reply.median_step_time_s
-            self.pacer.set_phase_error(reply.schedule_step, request.schedule_step)
-            if reply.server_epoch != joined.server_epoch:
-                log.warning(
-                    "learner=%s server restarted (new epoch); will re-sync", self.learner_id
-                )
-                self.lost.set()
         except grpc.RpcError as err:
-            if (
-                err.code() == grpc.StatusCode.NOT_FOUND
-                and self.membership().session_id == joined.session_id
-            ):
-                self.lost.set()
             log.warning("learner=%s heartbeat failed: %s", self.learner_id, err.code().name)
+            return
+        if self.membership().session_id != joined.session_id:
+            return  # a rejoin happened meanwhile; this answer is about the old one
+        self.server_versions = list(reply.fragment_versions)
+        self.pacer.median_step_time_s = reply.median_step_time_s
+        self.pacer.set_phase_error(reply.schedule_step, request.schedule_step)

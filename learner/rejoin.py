@@ -1,21 +1,23 @@
-"""Joining again, one shard at a time, the shards that lost a learner's session (N > 1).
+"""Joining again, one shard at a time, the shards that lost a learner's session; a plain
+server is shard 0 of 1, so this is how every learner rejoins after a server restart.
 
     rejoins = ShardRejoins(session)
     ...after each inner step...
     changed = rejoins.try_rejoin()   # the lost shards that answer now; the rest later
 
 A shard that restarted (from its state dir, every version it served included) or dropped
-the learner's lease no longer knows its session: ShardedClient notes it (lost_shards). The
+the learner's lease no longer knows its session: the client notes it lost where it reads
+NOT_FOUND or a new epoch (ShardSessions, learner/shard_sessions.py; `lost_shards()`). The
 learner then joins that shard alone again, while it trains on and syncs the other shards'
 fragments, whatever their state: one that is down meanwhile holds up nothing but its own
 fragments. The rejoined shard's fragments are loaded as at a join (learner/replicas.py): the
 updates since the replica's version are pulled, and if the shard has not moved a fragment
-since, the learner keeps its local parameters for it; otherwise they become the global ones.
-A shard still away is tried again with backoff, the other lost ones meanwhile. A shard that
-did not answer the learner's first join is lost the same way. While a shard is lost its
-fragments' pushes are skipped (StreamingSync `away`), so that nothing, in sync mode too,
-waits for them. With one shard a lost session is the whole session's, and SyncSession joins
-again instead.
+since, the learner keeps its local parameters for it (its progress since the last merge);
+otherwise they become the global ones, and a shard that lost versions (it is behind the
+replica) gives its own state, logged once per fragment. A shard still away is tried again
+with backoff, each try logged, the other lost ones meanwhile. A shard that did not answer
+the learner's first join is lost the same way. While a shard is lost its fragments' pushes
+are skipped (StreamingSync `away`), so that nothing, in sync mode too, waits for them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import grpc
 
 from common.retry import RetryGate, is_retryable
 from learner.progress import SavedReplica
+from learner.shard_sessions import SessionLost
 
 if TYPE_CHECKING:
     from learner.session import SyncSession
@@ -55,8 +58,8 @@ class ShardRejoins:
                 changed |= self._rejoin(shard)
             except grpc.RpcError as err:
                 self.session.client.sessions.mark_lost(shard)  # in case it joined half way
-                # Away, or already lost again (NOT_FOUND): another try later.
-                if not (is_retryable(err) or err.code() == grpc.StatusCode.NOT_FOUND):
+                # Away, or already lost again (it restarted once more): another try later.
+                if not (isinstance(err, SessionLost) or is_retryable(err)):
                     raise
                 failed.append((shard, err))
         if not failed:

@@ -12,8 +12,11 @@ last push is lost. Every other fragment, or one the server cannot continue, come
 snapshot. A fragment whose shard was away at the join (`away`) is neither offered nor
 pulled: its replica stands in as the checkpoint saved it, or else as the local parameters at
 version -1, and the learner keeps its local parameters for it until that shard is joined
-(learner/rejoin.py), which loads the fragment as above. Nothing here retries: a server gone
-again fails the join, and the session backs off and joins later (SyncSession._try_rejoin).
+(learner/rejoin.py), which loads the fragment as above. A shard's rejoin after a restart
+(learner/rejoin.py) loads its fragments here too, the replicas the learner holds standing
+for `resume`: where the shard lost versions (it is behind the replica) or holds another
+history, the fragment takes the shard's state, logged in one line. Nothing here retries: a
+shard gone again fails the load, and the rejoin backs off and tries later.
 """
 
 from __future__ import annotations
@@ -104,12 +107,13 @@ class ReplicaLoader:
         try:
             replica.apply(reply)
         except RuntimeError as err:  # the checksum after the update chain does not match
-            log.warning("learner=%s %s; pulling a snapshot", self.learner_id, err)
+            log.warning("learner=%s %s; taking the server's state", self.learner_id, err)
             return False
         if reply.version != replica.version or reply.params_crc32 != params_crc32(replica.params):
             log.warning(
-                "learner=%s fragment %d: the server is at version %d, the checkpoint at %d; "
-                "pulling a snapshot",
+                "learner=%s fragment %d: the server is at version %d, this learner's replica "
+                "at %d (the server lost versions, or holds another history); taking the "
+                "server's state",
                 self.learner_id,
                 replica.fragment_id,
                 reply.version,

@@ -4,7 +4,7 @@
     session.open(stop)               # connect and join: the local params become the global ones
     while training:
         ...one inner step...
-        session.after_inner_step()   # push / merge what the schedule says, or rejoin
+        session.after_inner_step()   # rejoin a shard that lost the session; push / merge
     session.drain(); session.close()
 
 The first learner to join hands the server its initial parameters; every learner then starts
@@ -13,7 +13,10 @@ the built-in job drives too, goes through this class. A session opened with `res
 (replicas saved in a checkpoint, learner/checkpoint.py) pulls only the updates since the
 saved versions and keeps its local parameters for every fragment the run has not moved
 meanwhile (learner/replicas.py). Heartbeats and the pace they steer are learner/heartbeat.py's.
-With N > 1 shards, a shard that lost the session is joined again alone (learner/rejoin.py).
+A server that lost the session (restarted, or the lease ran out) is a shard that lost it,
+with one shard as with N: the client notes it where NOT_FOUND or a new epoch is read
+(learner/shard_sessions.py), and the shard is joined again alone (learner/rejoin.py), the
+local parameters kept for every fragment the server has not moved.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from common.codec.fragment import params_crc32
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.retry import RetryGate, Stopped, call_with_retry, is_retryable
+from common.retry import Stopped, call_with_retry
 from learner.config import DilocoSyncConfig
 from learner.connection import connect
 from learner.heartbeat import Heartbeat, Membership, Pacer
@@ -65,7 +68,6 @@ class SyncSession:
         self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)
         self.pacer = Pacer(config.sync)
         self.resume: list[SavedReplica] | None = None  # set before open() to resume
-        self._resync = threading.Event()  # set when the session is gone: join and re-sync
         self.heartbeat = Heartbeat(
             self.client,
             self.learner_id,
@@ -73,9 +75,7 @@ class SyncSession:
             self.pacer,
             lambda: self.membership,
             lambda: self.step,
-            self._resync,
         )
-        self._rejoin_gate = RetryGate()
         self.shard_rejoins = ShardRejoins(self)
 
     @property
@@ -86,9 +86,10 @@ class SyncSession:
     def open(self, stop: threading.Event) -> None:
         """Connect, join (pulling the global parameters) and start heartbeats.
 
-        A join cut short by the server going away (a restart, a network cut: UNAVAILABLE)
-        is tried again with backoff for up to connect_timeout_s, as later rejoins are; there
-        is nothing to train on before the first one succeeds.
+        A join that no shard answers (a restart, a network cut: UNAVAILABLE) is tried again
+        with backoff for up to connect_timeout_s; there is nothing to train on before the
+        first one succeeds. Later, a shard that lost the session is joined again alone
+        (ShardRejoins) while training goes on.
         """
         self.transport.stop_requested = stop
         timeout_s = self.config.connection.connect_timeout_s
@@ -113,58 +114,37 @@ class SyncSession:
         self.heartbeat.start()
 
     def after_inner_step(self) -> bool:
-        """Advance the schedule by one inner step: push and merge what it says, or rejoin.
+        """Advance the schedule by one inner step: rejoin the shards that lost the session,
+        then push and merge what the schedule says (a lost shard's fragments: neither).
 
-        Returns True if the local parameters changed (a merge or a re-sync). Raises Stopped
-        if asked to stop while waiting at a merge.
+        Returns True if the local parameters changed (a merge, or a rejoin that took the
+        server's values). Raises Stopped if asked to stop while waiting at a merge.
         """
-        if self._resync.is_set():
-            self.step += 1
-            return self._try_rejoin()  # keeps training while the server is away
         if self.sync is None:
             raise RuntimeError("after_inner_step() before the session joined")
-        changed = self.shard_rejoins.try_rejoin()  # N > 1: the shards that lost the session
-        try:
-            advance = self.pacer.steps(self.progress)
-            for _ in range(advance):
-                self.step += 1
-                self.sync.push_phase(self.step, self.progress.inner_steps)
-                changed |= bool(self.sync.merge_phase(self.step))
-            if advance == 0:  # an extra inner step before the next push; merge what arrived
-                changed |= bool(self.sync.merge_phase(self.step))
-            return changed
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-            log.warning("learner=%s session lost (%s); rejoining", self.learner_id, err.details())
-            self._resync.set()
-            return changed
+        changed = self.shard_rejoins.try_rejoin()  # keeps training while a shard is away
+        advance = self.pacer.steps(self.progress)
+        for _ in range(advance):
+            self.step += 1
+            self.sync.push_phase(self.step, self.progress.inner_steps)
+            changed |= bool(self.sync.merge_phase(self.step))
+        if advance == 0:  # an extra inner step before the next push; merge what arrived
+            changed |= bool(self.sync.merge_phase(self.step))
+        return changed
 
     def drain(self) -> None:
         """Merge the syncs still in flight after the last step, then take the global values.
 
         Ends with every local parameter equal to the newest server version this learner saw
-        (a shard still away at the end keeps its fragments' local values). If the server
-        restarted meanwhile, the in-flight pushes are lost (they were never
-        applied) and the learner re-syncs to the restored state instead.
+        (a shard still away at the end keeps its fragments' local values). A sync whose
+        shard restarted meanwhile ends with nothing to merge (its push was never applied);
+        that shard is joined again first, and its fragments end at its restored versions.
         """
         if self.sync is None:
             raise RuntimeError("drain() before the session joined")
-        if not self._resync.is_set():
-            self.sync.blocking = True  # the run is over: waiting costs no training
-            try:
-                self.sync.merge_phase(self.step + self.config.sync.overlap_steps)
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-                self._resync.set()
-        if self._resync.is_set():
-            self._join()
-            self.progress.rejoins += 1
-        else:
-            # The syncs it lost ended with nothing; a shard still away keeps its fragments
-            # at the versions this learner has.
-            self.shard_rejoins.try_rejoin(now=True)
+        self.sync.blocking = True  # the run is over: waiting costs no training
+        self.sync.merge_phase(self.step + self.config.sync.overlap_steps)
+        self.shard_rejoins.try_rejoin(now=True)
         self.sync.load_globals(keep=self.client.away())
 
     def close(self) -> None:
@@ -185,34 +165,11 @@ class SyncSession:
 
     # -- protocol steps --------------------------------------------------------------------
 
-    def _try_rejoin(self) -> bool:
-        """Join again and pull snapshots; if the server is still away, try later."""
-        if not self._rejoin_gate.due():
-            return False
-        try:
-            self._join()
-        except grpc.RpcError as err:
-            if not is_retryable(err):  # the server is away, or asks us to come back later
-                raise
-            delay = self._rejoin_gate.failed(err)
-            log.warning(
-                "learner=%s server unreachable (%s); training on, next try in %.1f s",
-                self.learner_id,
-                err.code().name,
-                delay,
-            )
-            return False
-        self._rejoin_gate.succeeded()
-        self._resync.clear()
-        self.progress.rejoins += 1
-        return True
-
     def _join(self, resume: list[SavedReplica] | None = None) -> None:
+        """Join every shard (open's one join) and load the replicas it brings."""
         cfg = self.config.sync
-        self.transport.abandon_in_flight()  # they belong to the old session, if any
         # The tokens of one step, declared: the server refuses pushes that claim more.
-        # The client then holds the new membership (one object: a heartbeat that already
-        # uses the new session sees the new epoch).
+        # The client then holds the new membership, replaced whole (ShardSessions).
         reply = self.client.join(self.learner_id, self.fingerprint, self.tokens_per_step)
         log.info(
             "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s",

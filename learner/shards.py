@@ -1,37 +1,31 @@
-"""The learner's client for an aggregator run as N shards (docs/architecture.md, Sharding).
+"""The learner's client for an aggregator run as N shards (docs/architecture.md, Sharding);
+a plain server is shard 0 of 1, and goes through the same code.
 
     client = ShardedClient(["a:50051", "b:50051"], credentials, metadata)
     reply = client.join(learner_id, fingerprint)   # joins every shard, checks they agree
     client.push(header, payload)                   # to the fragment's owner only
 
 It offers AggregatorClient's calls, so the session, transport and heartbeat work unchanged
-over any N. Given one address it asks that server for the shard map (DescribeShards) at the
-first join and, when the run has N > 1 shards, uses the addresses the server advertises. A
-join goes to every shard; all must agree on N, their index (the list is in index order), the
-map id (fingerprint, P, layout, owners) and the mode, or the join fails with ShardMapError
-naming the shard. The learner's session is then one id per shard, joined with SEP, and the
-server epoch one hash of the shards' epochs (`membership()`). A shard that cannot be reached
-at the join (down, or not started yet) does not hold the others up: the join takes the map
-from the shards that answer, the absent one counts as lost (its fragments are `away()` until
-`join_shard` joins it, which checks it against that map), and only a join that no shard
-answers fails.
+over any N, and routes each to the shard it concerns. Finding the shards and agreeing on
+their map is ShardMap's (learner/shard_map.py): a join goes to every shard that answers,
+and a shard that did not is lost (its fragments are `away()`) until `join_shard` joins it.
+The learner's session is one id per shard, joined with SEP, and the server epoch one hash
+of the shards' epochs (`membership()`, learner/shard_sessions.py).
 
 Heartbeats go to every shard at once, each bounded by a third of the lease; a shard that
 cannot be reached is skipped (its fragments keep their last known versions) while the live
-ones renew the lease. With N > 1, a shard that no longer knows the learner's session (it
-restarted: a new epoch, or NOT_FOUND for a push, pull or heartbeat) is noted in
-`lost_shards()`, and `join_shard` joins it alone again, whatever the other shards' state:
-one that is down meanwhile does not hold it up. With one shard every call is passed through
-as it is, and a lost session is the caller's to rejoin.
+ones renew the lease. Every call made in a session goes through ShardSessions.noting_lost,
+and every heartbeat's epoch through ShardSessions.note_epoch (learner/shard_sessions.py, the
+one place that reads NOT_FOUND or a new epoch as a lost session): a shard that lost the
+session is in `lost_shards()`, and `join_shard` joins it alone again (learner/rejoin.py),
+whatever the other shards' state: one that is down meanwhile does not hold it up.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import grpc
 
@@ -40,32 +34,12 @@ from common.retry import is_retryable
 from common.traffic import Traffic
 from learner.client import AggregatorClient
 from learner.heartbeat import Membership
-from learner.shard_map import ShardMapError, check_shard, version_in
-from learner.shard_sessions import SEP, ShardSessions, session_of
+from learner.shard_map import NotConnected, ShardMap, ShardMapError, version_in
+from learner.shard_sessions import SEP, SessionLost, ShardSessions, session_of
 
-__all__ = ["SEP", "NotConnected", "ShardMapError", "ShardedClient"]
+__all__ = ["SEP", "NotConnected", "SessionLost", "ShardMapError", "ShardedClient"]
 
 log = logging.getLogger("diloco.learner")
-
-# Once one shard's channel is up, how long wait_ready waits for the others before the join
-# goes on without them (they are joined when they answer: learner/rejoin.py).
-ABSENT_GRACE_S = 10.0
-_READY_POLL_S = 0.05
-# How long a join (N > 1) waits for a shard to answer a DescribeShards before it counts the
-# shard as away: an address that drops packets would otherwise hold the learner (its
-# training thread, at a rejoin) for gRPC's connect timeout (20 s) at every try. Longer than
-# the channels' reconnect backoff (at most 2 s, common/rpc.py): a shard that is back answers.
-CONNECT_PROBE_S = 2.5
-
-
-class NotConnected(grpc.RpcError):
-    """The shard did not answer within CONNECT_PROBE_S: retried like UNAVAILABLE."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return f"no answer within {CONNECT_PROBE_S:g} s"
 
 
 class ShardedClient:
@@ -80,18 +54,14 @@ class ShardedClient:
     ) -> None:
         """`addresses`: every shard's, in index order, or one (then the others are found
         with DescribeShards)."""
-        if not addresses:
-            raise ValueError("at least one server address is needed")
-        self._credentials, self._metadata = credentials, metadata
         self.traffic = Traffic()
-        self._discovered = len(addresses) > 1  # a list is taken as given
-        self.addresses = list(addresses)
-        self._clients = [self._client(a) for a in self.addresses]
-        self._owners: list[int] = []  # owner shard of each fragment, from the last join
-        self._versions: list[int] = []  # last known version of each fragment
-        # The join reply of the first shard that answered the last join: the map to agree on.
-        self._map: pb.JoinResponse | None = None
+        self.map = ShardMap(addresses, credentials, metadata, self.traffic)
         self.sessions = ShardSessions()
+        self._versions: list[int] = []  # last known version of each fragment
+
+    @property
+    def addresses(self) -> list[str]:
+        return self.map.addresses
 
     @property
     def target(self) -> str:
@@ -99,119 +69,57 @@ class ShardedClient:
 
     @property
     def shard_count(self) -> int:
-        return len(self._clients)
+        return self.map.count
 
     def membership(self) -> Membership:
         """The session as joined, what every call goes with (ShardSessions.membership)."""
         return self.sessions.membership()
 
     def lost_shards(self) -> set[int]:
-        """The shards (N > 1) that no longer know the current session: join_shard them."""
+        """The shards that no longer know the current session: join_shard them."""
         return self.sessions.lost()
 
     def away(self) -> set[int]:
         """The fragments whose owner no longer knows the session (or never answered a join)."""
         lost = self.lost_shards()
-        return {fid for fid, owner in enumerate(self._owners) if owner in lost}
+        return {fid for fid, owner in enumerate(self.map.owners) if owner in lost}
 
     def shard_of(self, fragment_id: int) -> int:
         """The shard that owns the fragment (0 before the first join)."""
-        return self._owners[fragment_id] if fragment_id < len(self._owners) else 0
+        return self.map.owner(fragment_id)
 
     def close(self) -> None:
-        for client in self._clients:
-            client.close()
+        self.map.close()
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Block until every listed shard's channel connects, or until one has and the others
-        had ABSENT_GRACE_S more (the join goes on without them); grpc.FutureTimeoutError if
-        none connects within `timeout_s`."""
-        futures = [client.ready_future() for client in self._clients]
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not all(f.done() for f in futures):
-                now = time.monotonic()
-                if any(f.done() for f in futures):
-                    deadline = min(deadline, now + ABSENT_GRACE_S)
-                if now >= deadline:
-                    if not any(f.done() for f in futures):
-                        raise grpc.FutureTimeoutError()
-                    log.warning(
-                        "shards %s not reachable yet; joining the others",
-                        [i for i, f in enumerate(futures) if not f.done()],
-                    )
-                    return
-                time.sleep(min(_READY_POLL_S, max(0.0, deadline - now)))
-        finally:
-            for future in futures:
-                future.cancel()
+        """ShardMap.wait_ready: every shard's channel, or the first and a grace."""
+        self.map.wait_ready(timeout_s)
 
     def discover(self) -> None:
         """Given one address: take the run's shard addresses from it, once (join does)."""
-        if self._discovered:
-            return
-        described = self._clients[0].describe_shards()
-        if described.shard_count > 1:
-            if len(described.addresses) != described.shard_count:
-                raise ShardMapError(
-                    f"the server at {self.addresses[0]} is shard {described.shard_index} of "
-                    f"{described.shard_count} and does not advertise the shards' addresses "
-                    f"(--shard-addresses): list every shard in --server, in index order"
-                )
-            self.close()
-            self.addresses = list(described.addresses)
-            self._clients = [self._client(a) for a in self.addresses]
-            log.info("discovered %d shards: %s", len(self.addresses), self.target)
-        self._discovered = True
+        self.map.discover()
 
     def shards(self) -> list[AggregatorClient]:
         """One client per shard, in index order (after discover(), every shard's)."""
-        return list(self._clients)
+        return list(self.map.clients)
 
     def join(
         self, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens_per_step: int = 0
     ) -> pb.JoinResponse:
         """Join every shard (AggregatorClient.join's arguments); one reply whose session and
         epoch stand for all of them."""
-        self.discover()
-        join = (learner_id, fingerprint, tokens_per_step)
-        if len(self._clients) == 1:
-            reply = self._clients[0].join(*join)
-            self._owners = [0] * len(reply.fragments)
-            self._remember([reply], reply.fragments)
-            return reply
-        replies: list[pb.JoinResponse | None] = []
-        unreachable: grpc.RpcError | None = None
-        for shard in range(self.shard_count):
-            try:
-                replies.append(self._join_shard(shard, *join))
-            except grpc.RpcError as err:  # retryable: the shard is away (others raise)
-                replies.append(None)
-                unreachable = unreachable or err
-                log.warning(
-                    "shard=%d at %s unreachable at join (%s); joining the others, it is "
-                    "joined when it answers",
-                    shard,
-                    self.addresses[shard],
-                    err.code().name,
-                )
-        answered = [shard for shard, r in enumerate(replies) if r is not None]
-        if not answered:
-            raise unreachable  # type: ignore[misc]  # every shard raised
-        self._map = first = replies[answered[0]]
-        for shard in answered:  # the first against itself first: its index, N
-            check_shard(replies[shard], shard, self.addresses[shard], self.shard_count, first)
-        self._owners = list(first.fragment_owners)
+        replies = self.map.join_all(learner_id, fingerprint, tokens_per_step)
         reply = pb.JoinResponse()
-        reply.CopyFrom(first)
-        reply.schedule_step = max(replies[shard].schedule_step for shard in answered)
+        reply.CopyFrom(self.map.agreed)
+        reply.schedule_step = max(r.schedule_step for r in replies if r is not None)
         for fragment in reply.fragments:
-            owner = replies[self._owners[fragment.fragment_id]]
+            owner = replies[self.map.owner(fragment.fragment_id)]
             # A fragment whose owner is away stays at -1 until that shard is joined.
             fragment.version = (
                 -1 if owner is None else version_in(owner.fragments, fragment.fragment_id)
             )
-        self._remember(replies, reply.fragments)
+        self._versions = [f.version for f in sorted(reply.fragments, key=lambda f: f.fragment_id)]
+        self.sessions.joined_all(replies, learner_id)
         joined = self.sessions.membership()
         reply.session_id, reply.server_epoch = joined.session_id, joined.server_epoch
         reply.lease_s = joined.lease_s
@@ -220,13 +128,10 @@ class ShardedClient:
     def join_shard(
         self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens: int = 0
     ) -> pb.JoinResponse:
-        """Join one shard again (N > 1; join's arguments), the others' sessions untouched.
+        """Join one shard again (join's arguments), the others' sessions untouched.
         ShardMapError, naming the shard, unless it agrees with the map of the last join."""
-        if self._map is None:
-            raise RuntimeError("join_shard() before the first join")
-        reply = self._join_shard(shard, learner_id, fingerprint, tokens)
-        check_shard(reply, shard, self.addresses[shard], self.shard_count, self._map)
-        for fid, owner in enumerate(self._owners):
+        reply = self.map.join_one(shard, learner_id, fingerprint, tokens)
+        for fid, owner in enumerate(self.map.owners):
             if owner == shard:
                 self._versions[fid] = version_in(reply.fragments, fid)
         self.sessions.joined(shard, reply)
@@ -237,8 +142,8 @@ class ShardedClient:
         mine = pb.PushHeader()
         mine.CopyFrom(header)
         mine.session_id = session_of(header.session_id, shard, self.shard_count)
-        with self._noting_lost(shard, mine.session_id):
-            return self._clients[shard].push(mine, payload)
+        with self.sessions.noting_lost(shard, mine.session_id, "push"):
+            return self.map.clients[shard].push(mine, payload)
 
     def pull(
         self,
@@ -250,8 +155,8 @@ class ShardedClient:
     ) -> tuple[pb.PullHeader, bytes]:
         shard = self.shard_of(fragment_id)
         session = session_of(session_id, shard, self.shard_count)
-        with self._noting_lost(shard, session):
-            return self._clients[shard].pull(
+        with self.sessions.noting_lost(shard, session, "pull"):
+            return self.map.clients[shard].pull(
                 session, fragment_id, have_version, wait_for_version, wait_timeout_s
             )
 
@@ -259,8 +164,6 @@ class ShardedClient:
         """Every shard's heartbeat in one answer, whose epoch is the session's as joined. A
         shard that lost the session (NOT_FOUND, or a new epoch) is noted in lost_shards();
         an error is raised only if no shard answered (an unreachable one first)."""
-        if self.shard_count == 1:
-            return self._clients[0].heartbeat(request)
         # Sent at once, each bounded by a third of the lease: a shard that does not answer
         # (down, or its address black-holed) must not hold back the others' renewals.
         timeout_s = max(1.0, self.membership().lease_s / 3)
@@ -270,24 +173,21 @@ class ShardedClient:
                 for shard in range(self.shard_count)
             }
         replies: dict[int, pb.HeartbeatResponse] = {}
-        lost = unreachable = None
+        lost: SessionLost | None = None
+        unreachable: dict[int, grpc.RpcError] = {}
         for shard, future in futures.items():
             try:
                 replies[shard] = future.result()
+            except SessionLost as err:  # noted where it is read (ShardSessions)
+                lost = err
             except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.NOT_FOUND:
-                    lost = err
-                elif is_retryable(err):
-                    unreachable = err
-                    log.warning("shard=%d heartbeat failed: %s", shard, err.code().name)
-                else:
+                if not is_retryable(err):
                     raise
-                continue
-            if replies[shard].server_epoch != self.sessions.epoch_of(shard):
-                session = session_of(request.session_id, shard, self.shard_count)
-                self.sessions.note_lost(shard, session)  # it restarted
-        if not replies:
-            raise unreachable or lost
+                unreachable[shard] = err
+        if not replies:  # the caller logs the one failure
+            raise next(iter(unreachable.values())) if unreachable else lost
+        for shard, err in unreachable.items():
+            log.warning("shard=%d heartbeat failed: %s", shard, err.code().name)
         return self._merged(replies)
 
     def _beat(
@@ -296,13 +196,15 @@ class ShardedClient:
         mine = pb.HeartbeatRequest()
         mine.CopyFrom(request)
         mine.session_id = session_of(request.session_id, shard, self.shard_count)
-        with self._noting_lost(shard, mine.session_id):
-            return self._clients[shard].heartbeat(mine, timeout_s)
+        with self.sessions.noting_lost(shard, mine.session_id, "heartbeat"):
+            reply = self.map.clients[shard].heartbeat(mine, timeout_s)
+        self.sessions.note_epoch(shard, mine.session_id, reply.server_epoch)
+        return reply
 
     def leave(self, session_id: str) -> None:
         """Leave every shard; the first failure is raised once all were tried."""
         failed = None
-        for shard, client in enumerate(self._clients):
+        for shard, client in enumerate(self.map.clients):
             try:
                 client.leave(session_of(session_id, shard, self.shard_count))
             except grpc.RpcError as err:
@@ -310,57 +212,8 @@ class ShardedClient:
         if failed is not None:
             raise failed
 
-    # -- internals -------------------------------------------------------------------------
-
-    def _client(self, address: str) -> AggregatorClient:
-        client = AggregatorClient(address, self._credentials, self._metadata)
-        client.traffic = self.traffic  # one count for the learner, whatever the shard
-        return client
-
-    def _join_shard(
-        self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens: int
-    ) -> pb.JoinResponse:
-        try:
-            self._probe(shard)
-            return self._clients[shard].join(learner_id, fingerprint, tokens)
-        except grpc.RpcError as err:
-            if is_retryable(err):
-                raise  # the session backs off and joins again
-            raise ShardMapError(
-                f"shard {shard} at {self.addresses[shard]} refused the join: "
-                f"{err.code().name}: {err.details()}"
-            ) from err
-
-    def _probe(self, shard: int) -> None:
-        """Return if the shard answers a DescribeShards within CONNECT_PROBE_S (its channel
-        may connect meanwhile: a shard that is back does), else NotConnected."""
-        try:
-            self._clients[shard].describe_shards(CONNECT_PROBE_S, wait_for_ready=True)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise NotConnected() from None
-            raise
-
-    def _remember(
-        self, replies: Sequence[pb.JoinResponse | None], fragments: Sequence[pb.FragmentLayout]
-    ) -> None:
-        """Take in a join of the shards: `replies` in shard order (None: the shard was
-        away), `fragments` each at its owner's version."""
-        self._versions = [f.version for f in sorted(fragments, key=lambda f: f.fragment_id)]
-        self.sessions.joined_all(replies)
-
-    @contextmanager
-    def _noting_lost(self, shard: int, session: str) -> Iterator[None]:
-        """Note the shard as lost if it answers NOT_FOUND to a call in `session`."""
-        try:
-            yield
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.NOT_FOUND:
-                self.sessions.note_lost(shard, session)
-            raise
-
     def _merged(self, replies: dict[int, pb.HeartbeatResponse]) -> pb.HeartbeatResponse:
-        for fid, owner in enumerate(self._owners):
+        for fid, owner in enumerate(self.map.owners):
             if owner in replies and fid < len(replies[owner].fragment_versions):
                 self._versions[fid] = replies[owner].fragment_versions[fid]
         first = replies[min(replies)]

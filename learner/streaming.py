@@ -242,8 +242,8 @@ class StreamingSync:
                 continue
             clock = step if inner_step is None else inner_step
             if p in away:
-                # Its shard would answer NOT_FOUND, or not at all. These steps are not
-                # claimed later: the shard's rejoin replaces the fragment's local values.
+                # Its shard does not know the session now, or does not answer: nothing to
+                # push to. The next push claims only the steps after this one.
                 self.stats.skipped_pushes += 1
                 self._last_push_step[p] = clock
                 continue
@@ -325,7 +325,7 @@ class StreamingSync:
             self._take_global(replica)
 
     def load_globals(self, keep: Collection[int] = ()) -> None:
-        """Set the local parameters to the global replicas exactly (at start or re-sync),
+        """Set the local parameters to the global replicas exactly (at the end of a run),
         but for the fragments in `keep` (their shard is away: no global value to take)."""
         for replica in self.replicas:
             if replica.fragment_id not in keep:

@@ -27,19 +27,10 @@ from typing import NamedTuple
 import torch
 
 from common.codec.fragment import params_crc32
-from common.config import flat_values
 from common.cpus import usable_cpus
 from common.retry import Stopped
 from learner.api import DilocoSync, fingerprint
-from learner.checkpoint import (
-    FORMAT_VERSION,
-    PROGRESS_FIELDS,
-    CheckpointClock,
-    check_compatible,
-    checkpoint_exists,
-    load_checkpoint,
-    save_checkpoint,
-)
+from learner.checkpoint import JobCheckpoint, checkpoint_exists
 from learner.config import LearnerConfig, resolve_device
 from learner.data import BatchSampler, ShardedSampler, load_corpus
 from learner.initial_params import load_initial_params
@@ -133,10 +124,12 @@ class Learner:
         self.progress = self.sync.progress if self.sync else Progress(learner_id=learner_id)
         self.progress.island_size = island.world_size
         self._status = _StatusClock()
-        ckpt = config.checkpoint
-        self._checkpoints = CheckpointClock(ckpt.checkpoint_every_steps, ckpt.checkpoint_every_s)
-        if ckpt.checkpoint_dir:
-            self._restore(Path(ckpt.checkpoint_dir))
+        self.checkpoint: JobCheckpoint | None = None
+        if config.checkpoint.checkpoint_dir:
+            specs = [(s.name, list(s.shape), s.dtype) for s in fingerprint(self.model)]
+            self.checkpoint = JobCheckpoint(self, Path(config.checkpoint.checkpoint_dir), specs)
+            self.checkpoint.restore()
+            self._steps_taken = self.progress.inner_steps  # the checkpoint's, on every rank
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -145,8 +138,7 @@ class Learner:
 
         On an island rank 0 decides: when to stop, and what the parameters are after a sync.
         """
-        island, started = self.island, time.monotonic()
-        checkpoint_dir = self.config.checkpoint.checkpoint_dir
+        island, started, checkpoint = self.island, time.monotonic(), self.checkpoint
         try:
             if self.sync is not None:
                 self.sync.open(stop)
@@ -162,13 +154,13 @@ class Learner:
                 if outer_step:
                     self._record_eval()
                 self.progress.train_wall_s = time.monotonic() - train_started
-                if checkpoint_dir and self._checkpoints.due(self.progress.inner_steps):
-                    self._save_checkpoint()
+                if checkpoint is not None and checkpoint.due(self.progress.inner_steps):
+                    checkpoint.save()
             if self.sync is not None:
                 self.sync.drain()  # merges the syncs in flight, unless asked to stop
             island.broadcast_params(self.params)
-            if checkpoint_dir:
-                self._save_checkpoint()
+            if checkpoint is not None:
+                checkpoint.save()
             crc = params_crc32([p.detach().cpu() for p in self.params])
             self.progress.rank_params_crc32 = island.gather_object(crc)
         finally:
@@ -218,77 +210,6 @@ class Learner:
         except Stopped:
             return [0, 1, 0]
         return [int(changed), 0, int(self.sync.outer_steps > outer_steps)]
-
-    # -- checkpoints -----------------------------------------------------------------------
-
-    def _save_checkpoint(self) -> None:
-        if self.sync is None:
-            return  # rank 0 writes the island's checkpoint; the ranks' states are identical
-        started = time.perf_counter()
-        state = {
-            "format": FORMAT_VERSION,
-            "learner_id": self.config.connection.learner_id,
-            "config": flat_values(self.config),
-            "fingerprint": [[s.name, list(s.shape), s.dtype] for s in fingerprint(self.model)],
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "data": self.batches.state_dict(),
-            "step": self.sync.schedule_step,
-            "progress": {f: getattr(self.progress, f) for f in PROGRESS_FIELDS},
-            "fragments": self.sync.state_dict()["fragments"],
-            "island_size": self.island.world_size,
-            "saved_unix_s": time.time(),
-        }
-        path = save_checkpoint(Path(self.config.checkpoint.checkpoint_dir), state)
-        log.info(
-            "learner=%s checkpoint step=%d data_position=%d to %s in %.3f s",
-            self.progress.learner_id,
-            self.progress.inner_steps,
-            self.batches.position,
-            path,
-            time.perf_counter() - started,
-        )
-
-    def _restore(self, directory: Path) -> None:
-        """Resume from the checkpoint in `directory`, if there is one; rank 0 reads it and
-        hands the other ranks the optimizer state and data position."""
-        state, error = None, None
-        if self.island.is_leader:
-            try:
-                state = load_checkpoint(directory)
-                if state is not None:
-                    spec = [(s.name, list(s.shape), s.dtype) for s in fingerprint(self.model)]
-                    check_compatible(state, directory, self.progress.learner_id, spec)
-            except ValueError as err:
-                error = str(err)
-        # Every rank learns the outcome, so a bad checkpoint ends all of them with the same
-        # one-line error instead of leaving the others waiting in the broadcast below.
-        error = self.island.broadcast_object(error)
-        if error is not None:
-            raise ValueError(error)
-        keys = ("optimizer", "data", "progress")
-        shared = self.island.broadcast_object(state and {k: state[k] for k in keys})
-        if shared is None:
-            return
-        self.batches.load_state_dict(shared["data"])
-        self.optimizer.load_state_dict(shared["optimizer"])
-        for name in PROGRESS_FIELDS:
-            setattr(self.progress, name, shared["progress"][name])
-        self.progress.resumed_at_inner_step = self.progress.inner_steps
-        self._steps_taken = self.progress.inner_steps
-        if state is not None and self.sync is not None:
-            self.model.load_state_dict(state["model"])
-            self.sync.load_state_dict(
-                {k: getattr(self.progress, k) for k in ("inner_steps", "outer_steps", "tokens")}
-                | {"fragments": state["fragments"]}
-            )
-            log.info(
-                "learner=%s resuming from checkpoint step=%d data_position=%d versions=%s",
-                self.progress.learner_id,
-                self.progress.inner_steps,
-                self.batches.position,
-                [f["version"] for f in state["fragments"]],
-            )
 
     # -- evaluation and status -------------------------------------------------------------
 

@@ -4,8 +4,10 @@ One worker thread per shard (learner/shards.py) runs that shard's syncs in the o
 were started: push the pseudo-gradient, then long-poll PullParams until the round it joined
 has closed. A shard that is down stalls only its own fragments' syncs. The training loop
 collects the result at the merge point (StreamingSync.merge_phase) and only waits if it is
-not back yet. With N > 1 shards, a sync whose shard no longer knows its session ends with
-nothing to merge (None): the learner joins that shard alone again (learner/rejoin.py).
+not back yet. A sync whose shard no longer knows its session (SessionLost: the shard was
+noted lost where NOT_FOUND is read, learner/shard_sessions.py) ends with nothing to merge
+(None), and the learner joins that shard alone again (learner/rejoin.py); a plain server is
+shard 0 of 1.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import grpc
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import Stopped, call_with_retry
+from learner.shard_sessions import SessionLost
 from learner.shards import ShardedClient
 from learner.streaming import PullReply
 
@@ -31,10 +34,9 @@ PULL_WAIT_S = 20.0
 class GrpcTransport:
     """Runs syncs in order on one thread, retrying while the server is unreachable.
 
-    A retry keeps the learner's session and base version; if the server came back with a
-    new epoch the session is unknown (NOT_FOUND). With one shard that reaches the training
-    loop, and the learner joins again and pulls snapshots (SyncSession._join); with more,
-    the sync ends with None and the shard alone is joined again (ShardRejoins).
+    A retry keeps the learner's session and base version; if the shard came back without
+    the session (restarted), the sync ends with None and the shard is joined again
+    (ShardRejoins).
     """
 
     def __init__(self, client: ShardedClient, session_id: Callable[[], str]) -> None:
@@ -78,10 +80,8 @@ class GrpcTransport:
             except FutureTimeout:
                 if self.stop_requested.is_set():
                     raise Stopped() from None
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.NOT_FOUND or self.client.shard_count == 1:
-                    raise
-                return None  # the shard lost the session (ShardedClient noted it): rejoined
+            except SessionLost:
+                return None  # its shard is noted lost, and is joined again (ShardRejoins)
 
     def ready(self, handle: Future[PullReply]) -> bool:
         return handle.done()

@@ -50,11 +50,11 @@ def test_a_shard_that_does_not_answer_holds_back_no_renewal() -> None:
             pb.JoinResponse(session_id=f"s{i}", server_epoch=10 + i, lease_s=LEASE_S)
             for i in range(2)
         ]
-        client.sessions.joined_all(replies)
-        client._owners, client._versions = [0, 1], [0, 0]
+        client.sessions.joined_all(replies, "l0")
+        client.map.owners, client._versions = [0, 1], [0, 0]
         asked = threading.Event()
         hole, live = BlackHole(asked), Live(asked, epoch=11)
-        client._clients = [hole, live]
+        client.map.clients = [hole, live]
 
         beat = client.heartbeat(pb.HeartbeatRequest(session_id=f"s0{SEP}s1"))
 
@@ -64,4 +64,4 @@ def test_a_shard_that_does_not_answer_holds_back_no_renewal() -> None:
         assert list(beat.fragment_versions) == [0, 7]  # the silent shard's keep their last
         assert client.lost_shards() == set()
     finally:
-        client._clients = []
+        client.map.clients = []
