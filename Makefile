@@ -1,5 +1,6 @@
 # The two commands: `make run` (train: a server and two learners) and `make test`.
-# Both create .venv and install on first use; later runs skip the install.
+# Both create .venv and install on first use; later runs skip the install. `make test-slow`
+# runs the slow tier (chaos runs, multi-shard restarts); CI runs both.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,6 +11,8 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
 PIP_EXTRA ?=
+# The versions of every other package, pinned (constraints.txt): reproducible installs.
+CONSTRAINTS ?= constraints.txt
 RUN_SECONDS ?= 180
 RUN_LEARNERS ?= 2
 
@@ -18,52 +21,61 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install run test proto proto-check lint clean bench-quality bench-quality-quick bench-quality-sweep \
-	compose-smoke wan-sim bench-decoupled bench-load bench-scale bench bench-quick sim fuzz
+.PHONY: install run test test-slow proto proto-check lint clean config-doc bench-quality \
+	bench-quality-quick bench-quality-sweep compose-smoke wan-sim bench-decoupled bench-load \
+	bench-scale bench bench-quick bench-wire sim fuzz
 
 install: $(STAMP)
 
 # Checks for pip, not python: a venv whose ensurepip failed (Debian without python3-venv)
 # has a python but no pip, and is completed once the package is installed.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/pip || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check $(PIP_EXTRA) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
 run: $(STAMP)
-	$(BIN)/python deploy/local_run.py --duration-s $(RUN_SECONDS) --learners $(RUN_LEARNERS)
+	$(BIN)/python -m deploy.local_run --duration-s $(RUN_SECONDS) --learners $(RUN_LEARNERS)
 
+# Unit and integration tests but the slow tier; pytest exits 5 (a failure) if none ran.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+# docs/configuration.md, made from the settings' own docs (a test keeps it current).
+config-doc: $(STAMP)
+	$(BIN)/python -m common.config docs/configuration.md
 
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS) -e '.[dev,bench]'
 	touch $@
 
 bench-quality: $(BENCH_STAMP)
-	$(BIN)/python bench/quality.py
+	$(BIN)/python -m bench.quality
 
 bench-quality-quick: $(BENCH_STAMP)
-	$(BIN)/python bench/quality.py --quick
+	$(BIN)/python -m bench.quality --quick
 
 # The learning-rate sweeps behind bench/quality.py's settings, then the 1,000 vs 3,000 step trend
 # of fp4 and the sparse row (docs/RESULTS.md).
 bench-quality-sweep: $(BENCH_STAMP)
-	$(BIN)/python bench/quality_sweep.py lr
-	$(BIN)/python bench/quality_sweep.py trend --codecs fp4 sparse-2bit:0.015625
+	$(BIN)/python -m bench.quality_sweep lr
+	$(BIN)/python -m bench.quality_sweep trend --codecs fp4 sparse-2bit:0.015625
 
 bench-decoupled: $(BENCH_STAMP)
-	$(BIN)/python bench/decoupled.py
+	$(BIN)/python -m bench.decoupled
 
 bench-load: $(STAMP)
-	$(BIN)/python bench/load.py
+	$(BIN)/python -m bench.load
 
 # Aggregator shards (bench/scale.py): 537 M params over 1, 2 and 4 shards, 8 then 64
 # learners; bench/results/scale.json. `--quick` (34 M params, < 3 min):
 # bench/results/scale_quick.json.
 bench-scale: $(STAMP)
-	nice -n 19 $(BIN)/python bench/scale.py
+	nice -n 19 $(BIN)/python -m bench.scale
 
 # The performance suite (bench/perf.py): ratios against their ceilings, bench/results/perf.json.
 bench: $(BENCH_STAMP)
@@ -71,6 +83,10 @@ bench: $(BENCH_STAMP)
 
 bench-quick: $(BENCH_STAMP)
 	$(BIN)/python -m bench.perf --quick
+
+# The hand-written wire framing against the protobuf library (bench/wire.py).
+bench-wire: $(STAMP)
+	$(BIN)/python -m bench.wire
 
 # Property-based fuzzing of the real servicer and decoders (bench/fuzz.py), 10,000 cases.
 fuzz: $(STAMP)
@@ -82,11 +98,11 @@ sim: $(BENCH_STAMP)
 
 # Needs a Docker engine and docker-compose (see deploy/compose_smoke.py); not run in CI.
 compose-smoke: $(STAMP)
-	$(BIN)/python deploy/compose_smoke.py
+	$(BIN)/python -m deploy.compose_smoke
 
 # Needs root (network namespaces, tc); writes bench/results/wan.json.
 wan-sim: $(STAMP)
-	$(BIN)/python deploy/wan_sim.py
+	$(BIN)/python -m deploy.wan_sim
 
 proto: $(STAMP)
 	$(BIN)/python -m common.protogen

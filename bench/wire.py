@@ -105,9 +105,7 @@ def push_parse(params: list[torch.Tensor], repeats: int) -> dict:
 
 def chunk_receive(params: list[torch.Tensor], repeats: int) -> dict:
     data = encode_fragment(params, "fp4_e2m1")
-    messages = [
-        pb.PushFragmentRequest(chunk=piece).SerializeToString() for piece in chunks(data)
-    ]
+    messages = [pb.PushFragmentRequest(chunk=piece).SerializeToString() for piece in chunks(data)]
     target = np.empty(len(data), dtype=np.uint8)
 
     def receive(read: Callable[[bytes], bytes | memoryview]) -> int:

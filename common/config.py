@@ -364,7 +364,7 @@ def address_list(text: str, setting: str) -> list[str]:
     return addresses
 
 
-def _daemons() -> dict[str, type]:
+def daemons() -> dict[str, type]:
     """The daemons whose settings the reference lists (imported here: they import this)."""
     from learner.config import LearnerConfig
     from server.config import ServerConfig
@@ -377,5 +377,5 @@ if __name__ == "__main__":
     import sys
 
     target = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "docs/configuration.md")
-    target.write_text(reference(_daemons()))
+    target.write_text(reference(daemons()))
     print(f"wrote {target}")

@@ -1,9 +1,9 @@
-"""diloco-chaos: train through injected faults and check that nothing breaks or is lost.
+"""Chaos runs: train through injected faults and check that nothing breaks or is lost.
 
-    diloco-chaos --learners 3 --duration-s 600 --fault-every-s 15 --report chaos.json
-    diloco-chaos --quick --report chaos.json       # about 2 minutes
-    diloco-chaos --soak                            # 1,000 short faults, fault-free beside
-    diloco-chaos --shards 2 --quick                # the aggregator as 2 shards
+    python -m deploy.chaos --learners 3 --duration-s 600 --fault-every-s 15 --report chaos.json
+    python -m deploy.chaos --quick --report chaos.json       # about 2 minutes
+    python -m deploy.chaos --soak                            # 1,000 short faults, fault-free beside
+    python -m deploy.chaos --shards 2 --quick                # the aggregator as 2 shards
 
 Starts two clusters on loopback at the same time, each a server (quorum mode, with a state
 dir) and K learners as real processes, each learner behind its own FaultProxy
@@ -242,7 +242,9 @@ PRESETS = {
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="diloco-chaos", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.chaos", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--learners", type=int, default=3)
     default = DEFAULTS
     parser.add_argument("--duration-s", type=float, help=f"default {default['duration_s']:g}")
@@ -306,7 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = evaluate(faulty, fault_free)
     report.failures = verdict(report, kinds_for(args.shards), args.faults, args.max_loss_gap)
     report.wall_s = time.monotonic() - started
-    report.command = shlex.join(["diloco-chaos", *(sys.argv[1:] if argv is None else argv)])
+    report.command = shlex.join(
+        ["python", "-m", "deploy.chaos", *(sys.argv[1:] if argv is None else argv)]
+    )
     print(json.dumps({k: v for k, v in asdict(report).items() if k != "timeline"}, indent=1))
     if args.report:
         args.report.parent.mkdir(parents=True, exist_ok=True)

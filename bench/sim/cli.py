@@ -1,4 +1,4 @@
-"""diloco-sim: plan a DiLoCo-family run in virtual time (seconds, not hours).
+"""The planning simulator: plan a DiLoCo-family run in virtual time (seconds, not hours).
 
     python -m bench.sim.cli all        # Table 4 + goodput curve -> bench/results/sim.json, PNGs
     python -m bench.sim.cli run --params 10e9 --layers 48 --step-time-s 0.8 \\
@@ -21,7 +21,9 @@ from bench.sim.throughput import Method, Scenario, required_bandwidth, simulate
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="diloco-sim", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.sim.cli", description=__doc__.splitlines()[0]
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     full = sub.add_parser("all", help="Table 4 and the goodput curve, with JSON and plots")
     full.add_argument("--out", default=str(report.RESULTS / "sim.json"))
@@ -183,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"goodput {q.goodput:.1%}, uptime {q.uptime:.1%}, {q.failures} failures"
             )
     except ValueError as err:  # a bad setting: one sentence, no traceback
-        raise SystemExit(f"diloco-sim: {err}") from None
+        raise SystemExit(f"bench.sim.cli: {err}") from None
 
 
 if __name__ == "__main__":

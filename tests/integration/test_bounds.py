@@ -230,6 +230,7 @@ def trickled_push(session: str, release: threading.Event) -> Iterator[pb.PushFra
     release.wait(60)
 
 
+@pytest.mark.slow
 def test_a_push_that_trickles_is_cut(start_server_process, release) -> None:
     """Never idle for the idle timeout (5 s), but at 5 bytes/s: cut once its whole-stream
     bound (5 s + 4,000 bytes at 1,000 bytes/s) has passed."""

@@ -8,7 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.processes import REPO
+
+# Minutes of real processes: the slow tier (make test-slow).
+pytestmark = pytest.mark.slow
 
 
 def chaos(tmp_path: Path, *flags: str, timeout_s: int = 420) -> dict:

@@ -38,7 +38,7 @@ def run(module: str, *args: str, timeout: float = 60) -> subprocess.CompletedPro
         ("learner.main", ["--lr-schedule", "cosine"], "lr_schedule_steps must be >= 1"),
         ("server.main", ["--shard-count", "2", "--shard-index", "2"], "shard_index must be in"),
         ("server.main", ["--shard-count", "3", "--fragments", "2"], "must not exceed fragments"),
-        ("deploy.status", ["--server", "nowhere"], "server must be host:port"),
+        ("learner.status", ["--server", "nowhere"], "server must be host:port"),
     ],
 )
 def test_bad_flags_give_one_clear_error(module: str, args: list[str], message: str) -> None:
@@ -69,7 +69,7 @@ def test_status_reports_an_unreachable_server() -> None:
     with socket.socket() as sock:  # a loopback port that nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    result = run("deploy.status", "--server", f"127.0.0.1:{port}", "--insecure")
+    result = run("learner.status", "--server", f"127.0.0.1:{port}", "--insecure")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.strip() == (

@@ -7,6 +7,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.codec.fragment import decode_fragment, encode_fragment
@@ -91,6 +92,7 @@ def wait_for_log(proc: subprocess.Popen, path: Path, text: str, count: int = 1) 
         raise AssertionError(f"{err}:\n{path.read_text()[-3000:]}") from None
 
 
+@pytest.mark.slow
 def test_learner_trains_through_a_server_crash_and_resyncs(tmp_path, start_learner) -> None:
     state_dir = tmp_path / "state"
     flags = ("--mode", "quorum", "--fragments", "2", "--lease-s", "5")

@@ -54,6 +54,7 @@ def eval_loss(model: GPT) -> float:
     return sum(losses) / len(losses)
 
 
+@pytest.mark.slow
 def test_exported_model_is_the_servers(start_service, start_learner, tmp_path: Path) -> None:
     state = tmp_path / "state"
     service = start_service(lease_s=10.0, min_contributors=2, fragments=2, state_dir=str(state))

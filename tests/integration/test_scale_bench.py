@@ -7,8 +7,13 @@ import json
 import math
 import sys
 
+import pytest
+
 from bench import scale
 from bench.scale import FRAGMENTS, TENSORS, Model, payloads_of, run
+
+# Minutes of real processes: the slow tier (make test-slow).
+pytestmark = pytest.mark.slow
 
 
 def test_two_shards_split_the_fragments_and_every_figure_is_measured() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from common.codec.fragment import encode_fragment
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from deploy import status
+from learner import status
 from learner.client import AggregatorClient
 from learner.shards import SEP, NotConnected, ShardedClient, ShardMapError
 from server.export import merge, read_state_params
@@ -193,6 +193,7 @@ def test_a_restarted_shard_is_joined_again_alone_while_another_is_down(start_ser
     client.close()
 
 
+@pytest.mark.slow
 def test_a_shard_away_at_the_first_join_is_joined_when_it_answers(start_service) -> None:
     shards = start_shards(start_service, count=3)
     addresses = [address(s) for s in shards]

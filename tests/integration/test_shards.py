@@ -75,6 +75,7 @@ def wait_versions_beyond(ports: list[int], floor: dict[int, int], rise: int, wha
     wait_until(risen, WAIT_S, what, interval_s=0.5)
 
 
+@pytest.mark.slow
 def test_three_shards_two_learners_kill_9_of_one_shard(tmp_path) -> None:
     shards = [start_shard(tmp_path, i, f"shard-{i}") for i in range(SHARDS)]
     ports = [shard.port for shard in shards]
@@ -146,6 +147,7 @@ def test_three_shards_two_learners_kill_9_of_one_shard(tmp_path) -> None:
     assert summaries["a"]["rejoins"] >= 1 and summaries["b"]["rejoins"] >= 1  # caught up
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["quorum", "sync"])  # sync: merges wait, but not for it
 def test_a_learner_started_while_a_shard_is_down_joins_it_when_it_comes_up(
     tmp_path, mode: str

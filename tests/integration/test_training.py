@@ -95,6 +95,7 @@ def test_two_learners_end_bit_identical_to_the_server(
         assert summary["eval_losses"][-1] < summary["eval_losses"][0]
 
 
+@pytest.mark.slow
 def test_a_killed_learner_does_not_stall_the_other(start_service, start_learner, tmp_path):
     service = start_service(lease_s=1.5)
     agg = service.aggregator
@@ -186,6 +187,7 @@ def test_quorum_learners_never_wait_for_a_slow_island(start_service, start_learn
     assert max(v for _, _, v in service.aggregator.layout()) >= 25
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_a_learner_waiting_at_a_merge(start_service, start_learner, tmp_path):
     """sync mode: with its peer stalled, a learner waits at the merge; SIGTERM still stops it
     cleanly instead of waiting until the round closes."""
@@ -210,6 +212,7 @@ def test_sigterm_reaches_a_learner_waiting_at_a_merge(start_service, start_learn
 ROUNDS_JUDGED = 16  # both fragments' rounds: b drifts about 70 of a's 80 steps of phase
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("align", [True, False], ids=["aligned", "control"])
 def test_quorum_learners_stay_in_phase_at_different_speeds(
     start_service, start_learner, tmp_path, align
