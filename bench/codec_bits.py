@@ -27,7 +27,7 @@ from learner.model import GPT
 from server.rounds.outer import NesterovOuter
 from server.state.fragment import FragmentState
 
-CODECS = ("fp32", "fp4_e2m1", "sparse_2bit", "sparse_fp4")
+CODECS = ("fp32", "fp4_e2m1", "sparse_2bit")
 ROUNDS = 3
 
 

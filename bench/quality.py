@@ -54,7 +54,7 @@ OPTIONS = {"inmodel", "senders"}
 
 
 def parse_row(text: str) -> Row:
-    """A --rows entry, ROW_FORMAT (fp4:50, sparse-fp4:20:0.015625, fp4:5:0:0.35,
+    """A --rows entry, ROW_FORMAT (fp4:50, sparse-2bit:20:0.015625, fp4:5:0:0.35,
     sparse-2bit:5:0.015625::inmodel); without an outer lr, the codec's recipe's;
     topk as push/pull (0.015625/0.046875) sets the pull's fraction too (else twice the
     push's), the outer lr as lr/momentum (2.25/0.5) the outer Nesterov's momentum (else the
@@ -256,7 +256,7 @@ def main() -> int:
         nargs="+",
         type=parse_row,
         help=f"DiLoCo rows as {ROW_FORMAT} (codecs: fp32, fp4, "
-        "sparse-2bit, sparse-fp4; options: inmodel, senders or inmodel,senders); "
+        "sparse-2bit; options: inmodel, senders or inmodel,senders); "
         "default: fp4:20 sparse-2bit:20:0.015625 (--quick: H 10)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -33,7 +33,6 @@ WIRE = {
     "fp32": "fp32",
     "fp4": "fp4_e2m1",
     "sparse-2bit": "sparse_2bit",
-    "sparse-fp4": "sparse_fp4",
 }
 WARMUP_ROUNDS = 20  # outer momentum warm-up (docs/RESULTS.md, "The outer momentum warm-up")
 MERGE_ALPHA = 0.05  # Streaming's merge weight of the local fragment (docs/RESULTS.md)

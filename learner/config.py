@@ -99,7 +99,7 @@ class SyncConfig:
     """α in θ ← α·θ_local + (1−α)·θ_global at the merge (0: take the global value)."""
     push_codec: str = "fp4_e2m1"
     """Codec of the pushed pseudo-gradients: fp4_e2m1, fp4_e3m0, bf16, fp32, or the top-k
-    sparse sparse_2bit or sparse_fp4 (with error feedback; common/sparse.py)."""
+    sparse sparse_2bit (with error feedback; common/codec/sparse.py)."""
     push_topk_fraction: float = DEFAULT_TOPK_FRACTION
     """Sparse push codecs: the fraction of values kept in every chunk of 4096 (1/64: 64)."""
     push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY

@@ -44,7 +44,7 @@ class StreamingConfig:
     """How parameters are split: strided, sequential or balanced (common/fragments.py)."""
     pull_codec: str = "fp4_e2m1"
     """Codec of the outer updates learners pull (with error feedback): fp4_e2m1, fp4_e3m0,
-    the top-k sparse sparse_2bit or sparse_fp4; fp32 pulls snapshots."""
+    the top-k sparse sparse_2bit; fp32 pulls snapshots."""
     pull_topk_fraction: float = DEFAULT_TOPK_FRACTION
     """Sparse pull codecs: the fraction of values kept in every chunk of 4096 (1/64: 64;
     the best recipe's default for a sparse pull codec: 1/32, SPARSE_PULL_TOPK_FRACTION)."""
@@ -63,7 +63,7 @@ class StreamingConfig:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.pull_codec not in CODECS or self.pull_codec == "bf16":
             raise ValueError(
-                f"pull_codec must be fp32, fp4_e2m1, fp4_e3m0, sparse_2bit or sparse_fp4, "
+                f"pull_codec must be fp32, fp4_e2m1, fp4_e3m0 or sparse_2bit, "
                 f"got {self.pull_codec!r}"
             )
         if not 0 < self.pull_topk_fraction <= 1:

@@ -1,5 +1,4 @@
-"""The top-k sparse codecs, sparse_2bit and sparse_fp4: the format, its checks and decoding,
-and the encoder.
+"""The top-k sparse codec, sparse_2bit: the format, its checks and decoding, and the encoder.
 
     k = topk_k(1 / 64)                                   # 64 values of every 4096
     enc = encode_sparse(flat, pb.CODEC_SPARSE_2BIT, k)   # indices, codes, scales (uint8)
@@ -14,15 +13,12 @@ increasing index order within a chunk, so their flat positions increase strictly
     payload = indices | codes
       indices: each entry's index within its chunk in 12 bits, two entries in three bytes
                (a & 0xFF, a >> 8 | (b & 0xF) << 4, b >> 4); an odd count drops the last byte
-      codes:   each entry's value code, 2 bits (4 per byte) or 4 bits (2 per byte), entry 0
-               in the lowest bits; the last byte zero-padded
-    scales  = per chunk, CODEC_SPARSE_2BIT: two bfloat16 magnitudes (lower, upper),
-              little-endian, 4 bytes; CODEC_SPARSE_FP4: one E8M0 byte (2^(byte − 127))
+      codes:   each entry's value code in 2 bits, 4 per byte, entry 0 in the lowest bits;
+               the last byte zero-padded
+    scales  = per chunk, two bfloat16 magnitudes (lower, upper), little-endian, 4 bytes
 
-2-bit code: bit 0 picks the upper magnitude, bit 1 is the sign. 4-bit code: E2M1 as in
-fp4.py (bit 3 the sign, bits 0-2 the magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6) times the
-chunk's scale. With k = 64: 12 + 2 bits per kept value and 32 scale bits per chunk, 0.227 bits
-per parameter (2-bit); 0.252 with 4-bit values.
+A code's bit 0 picks the upper magnitude, bit 1 is the sign. With k = 64: 12 + 2 bits per kept
+value and 32 scale bits per chunk, 0.227 bits per parameter.
 
 Why these choices: 12-bit local indices keep every chunk's bytes at a fixed offset (a chunk
 range decodes without reading the rest, and the server encodes a chunk range at a time); the
@@ -34,14 +30,13 @@ bytes on every machine and a server's replay from its state dir is bit-identical
 The checks here run before anything is applied (tensor.py's check_tensor):
 lengths, scale bytes (no NaN or infinity, no negative magnitude), positions strictly
 increasing and inside the tensor, decoded values finite. Memory is in proportion to the
-payload's length, never to the size a sender claims: the payload must hold 14 or 16 bits
-for every kept entry before an entry is unpacked.
+payload's length, never to the size a sender claims: the payload must hold 14 bits for
+every kept entry before an entry is unpacked.
 
 The encoder keeps, in every chunk, the k largest magnitudes (among equal magnitudes at the
-boundary the lowest indices), listed in index order, and quantizes them: to 2 bits (sign, and
-the lower or upper of two magnitudes per chunk: the kept magnitudes of rank k/4 and 3k/4,
-rounded to bfloat16), or to E2M1 with one E8M0 scale per chunk (fp4.fp4_block_codes, the fp4
-codec's own rounding). The selection runs in C on CPU tensors (topk_kernel.c: a radix select
+boundary the lowest indices), listed in index order, and quantizes them to 2 bits: the sign,
+and the lower or upper of two magnitudes per chunk, the kept magnitudes of rank k/4 and 3k/4
+rounded to bfloat16. The selection runs in C on CPU tensors (topk_kernel.c: a radix select
 per chunk, bit-identical to the torch path; tests/unit/test_sparse.py checks it) and as
 torch.topk elsewhere; the rest is vectorized torch over the kept entries (bench/perf.py
 measures the encoder against clone()).
@@ -63,16 +58,15 @@ from dataclasses import dataclass
 import torch
 
 from common.codec import native
-from common.codec.fp4 import BF16_MAX, E8M0_BIAS, E8M0_NAN, FP4_GRIDS, NOT_FINITE, fp4_block_codes
+from common.codec.fp4 import BF16_MAX, NOT_FINITE
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
 SPARSE_CHUNK = 4096
 INDEX_BITS = 12
-SPARSE_CODECS = (pb.CODEC_SPARSE_2BIT, pb.CODEC_SPARSE_FP4)
-VALUE_BITS = {pb.CODEC_SPARSE_2BIT: 2, pb.CODEC_SPARSE_FP4: 4}
-SCALE_BYTES = {pb.CODEC_SPARSE_2BIT: 4, pb.CODEC_SPARSE_FP4: 1}
-E2M1_GRID = FP4_GRIDS[pb.CODEC_FP4_E2M1]
+SPARSE_CODECS = (pb.CODEC_SPARSE_2BIT,)
+VALUE_BITS = 2  # a value's code
+SCALE_BYTES = 4  # a chunk's two bfloat16 magnitudes
 _BF16_EXPONENT, _BF16_SIGN = 0x7F80, 0x8000
 
 
@@ -92,7 +86,7 @@ def sparse_sizes(codec: int, numel: int, k: int) -> tuple[int, int]:
     """Exact (payload, scales) byte lengths of a sparse tensor."""
     n = kept_total(numel, k)
     chunks = (numel + SPARSE_CHUNK - 1) // SPARSE_CHUNK
-    return _index_bytes(n) + _code_bytes(n, VALUE_BITS[codec]), chunks * SCALE_BYTES[codec]
+    return _index_bytes(n) + _code_bytes(n, VALUE_BITS), chunks * SCALE_BYTES
 
 
 def _index_bytes(n: int) -> int:
@@ -158,12 +152,8 @@ def unpack_codes(data: torch.Tensor, n: int, bits: int) -> torch.Tensor:
 # ---- Checks and decoding -----------------------------------------------------------------
 
 
-def check_scales(codec: int, scales: bytes) -> None:
-    """Refuse a NaN or infinite scale, or a negative 2-bit magnitude."""
-    if codec == pb.CODEC_SPARSE_FP4:
-        if E8M0_NAN in scales:
-            raise InvalidArgument("sparse FP4 chunk scale is NaN (E8M0 byte 255)")
-        return
+def check_scales(scales: bytes) -> None:
+    """Refuse a NaN or infinite scale, or a negative magnitude."""
     halves = _byte_tensor(scales).view(torch.int16).to(torch.int32) & 0xFFFF
     if bool(((halves & _BF16_EXPONENT) == _BF16_EXPONENT).any()):
         raise InvalidArgument("sparse 2-bit chunk magnitude is NaN or infinite")
@@ -187,30 +177,23 @@ def sparse_entries(
         raise InvalidArgument(
             "sparse indices must increase strictly within each chunk and stay inside it"
         )
-    codes = unpack_codes(raw[split:], n, VALUE_BITS[codec])
-    values = decode_codes(codec, codes, scales, chunk_of)
+    codes = unpack_codes(raw[split:], n, VALUE_BITS)
+    values = decode_codes(codes, scales, chunk_of)
     if not bool(torch.isfinite(values).all()):
         raise InvalidArgument(NOT_FINITE)
     return positions, values
 
 
 def decode_codes(
-    codec: int, codes: torch.Tensor, scales: bytes | torch.Tensor, chunk_of: torch.Tensor
+    codes: torch.Tensor, scales: bytes | torch.Tensor, chunk_of: torch.Tensor
 ) -> torch.Tensor:
     """The float32 values of value codes, each in chunk `chunk_of` (same device as codes)."""
     scale_bytes = scales if isinstance(scales, torch.Tensor) else _byte_tensor(scales)
     scale_bytes = scale_bytes.to(codes.device)
     chunk_of = chunk_of.to(codes.device)
-    if codec == pb.CODEC_SPARSE_2BIT:
-        levels = scale_bytes.view(torch.bfloat16).float().view(-1, 2)  # (chunks, lower/upper)
-        magnitudes = levels[chunk_of, (codes & 1).long()]
-        negative = (codes & 2) != 0
-    else:
-        grid = E2M1_GRID.to(codes.device)
-        exps = scale_bytes.to(torch.int32) - E8M0_BIAS
-        magnitudes = torch.ldexp(grid[(codes & 7).long()], exps[chunk_of].float())
-        negative = (codes & 8) != 0
-    return torch.where(negative, -magnitudes, magnitudes)
+    levels = scale_bytes.view(torch.bfloat16).float().view(-1, 2)  # (chunks, lower/upper)
+    magnitudes = levels[chunk_of, (codes & 1).long()]
+    return torch.where((codes & 2) != 0, -magnitudes, magnitudes)
 
 
 def dense(positions: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
@@ -285,7 +268,7 @@ def encode_sparse(flat: torch.Tensor, codec: int, k: int) -> SparseEncoding:
         idx = _select(rows, kk, kernel)
         values = rows.gather(1, idx)
         ranked = values.abs().sort(dim=1, descending=True).values
-        row_codes, row_scales = _quantize(codec, values, ranked)
+        row_codes, row_scales = _quantize(values, ranked)
         local.append(idx.reshape(-1))
         codes.append(row_codes.reshape(-1))
         scales.append(row_scales.reshape(-1))
@@ -299,10 +282,10 @@ def encode_sparse(flat: torch.Tensor, codec: int, k: int) -> SparseEncoding:
     chunks = torch.cat(chunk_of)
     return SparseEncoding(
         indices=pack_indices(local_all),
-        codes=pack_codes(codes_all, VALUE_BITS[codec]),
+        codes=pack_codes(codes_all, VALUE_BITS),
         scales=scales_all,
         positions=chunks * SPARSE_CHUNK + local_all,
-        values=decode_codes(codec, codes_all, scales_all, chunks),
+        values=decode_codes(codes_all, scales_all, chunks),
     )
 
 
@@ -337,14 +320,9 @@ def _lowest_on_ties(
     return idx
 
 
-def _quantize(
-    codec: int, values: torch.Tensor, ranked: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(values: torch.Tensor, ranked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes (uint8, values' shape) and per-row scale bytes (uint8, (rows, scale bytes)) of
     the kept values (rows, kk), given their magnitudes in descending order."""
-    if codec == pb.CODEC_SPARSE_FP4:
-        codes, exps = fp4_block_codes(values)
-        return codes, (exps + E8M0_BIAS).to(torch.uint8).unsqueeze(1)
     kk = values.shape[1]
     # Two magnitudes per chunk: order statistics, exact on every machine (no float sums).
     levels = torch.stack([ranked[:, (3 * kk) // 4], ranked[:, kk // 4]], dim=1)

@@ -64,7 +64,6 @@ CODECS = {
     "fp4_e2m1": pb.CODEC_FP4_E2M1,
     "fp4_e3m0": pb.CODEC_FP4_E3M0,
     "sparse_2bit": pb.CODEC_SPARSE_2BIT,
-    "sparse_fp4": pb.CODEC_SPARSE_FP4,
 }
 CODEC_NAMES = {value: name for name, value in CODECS.items()}
 FP4_CODECS = (pb.CODEC_FP4_E2M1, pb.CODEC_FP4_E3M0)
@@ -149,7 +148,7 @@ def _check_fields(
         raise InvalidArgument("tensor checksum mismatch")
     if codec in SPARSE_CODECS:
         payload, scales = bytes(payload), bytes(scales)  # small: a fraction of the values
-        check_scales(codec, scales)
+        check_scales(scales)
         entries = sparse_entries(codec, payload, scales, numel, sparse_k)
         return WireTensor(codec, shape, numel, payload, scales, sparse_k, entries)
     if _has_nan_scale(scales):

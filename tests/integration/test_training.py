@@ -27,7 +27,7 @@ OUTER_STEPS = 4
         # Sparse both ways: top-k pushes with error feedback, sparse update-chain pulls.
         (
             {"fragments": 2, "pull_codec": "sparse_2bit", "pull_topk_fraction": 1 / 16},
-            ["--n-layer", "2", "--overlap-steps", "1", "--push-codec", "sparse_fp4"],
+            ["--n-layer", "2", "--overlap-steps", "1", "--push-codec", "sparse_2bit"],
         ),
         # The same with each value's mean taken over the learners that sent it.
         (

@@ -279,7 +279,7 @@ def test_sparse_pulls_default_to_the_plain_outer_step_and_pushes_to_a_decayed_re
     got = {name: getattr(sparse.outer, name) for name in SPARSE_OUTER}
     assert got == SPARSE_OUTER and SPARSE_OUTER["outer_momentum"] == 0
     assert sparse.streaming.pull_topk_fraction == SPARSE_PULL_TOPK_FRACTION == 1 / 32
-    given = build_config(AggregatorConfig, {"pull_codec": "sparse_fp4", "outer_momentum": 0.5})
+    given = build_config(AggregatorConfig, {"pull_codec": "sparse_2bit", "outer_momentum": 0.5})
     assert (given.outer.outer_momentum, given.outer.outer_lr) == (0.5, SPARSE_OUTER["outer_lr"])
     paper = build_config(AggregatorConfig, {"recipe": "paper", "pull_codec": "sparse_2bit"})
     assert (paper.outer.outer_momentum, paper.outer.outer_lr) == (0.9, 0.7)  # DiLoCo's step
@@ -304,7 +304,7 @@ def test_the_outer_state_is_bfloat16_by_default_only_where_that_was_measured() -
 
     assert dtype() == dtype(mode="quorum") == dtype(pull_codec="fp32") == "bfloat16"
     assert dtype(mode="async") == dtype(recipe="paper") == "float32"
-    assert dtype(pull_codec="sparse_2bit") == dtype(pull_codec="sparse_fp4") == "float32"
+    assert dtype(pull_codec="sparse_2bit") == "float32"
     assert dtype(recipe="paper", outer_state_dtype="bfloat16") == "bfloat16"
     assert dtype(outer_state_dtype="float32") == "float32"
     with pytest.raises(ValueError, match="outer_state_dtype bfloat16 is for sync and quorum"):

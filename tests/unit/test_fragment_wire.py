@@ -35,7 +35,6 @@ PINNED = {
     "fp4_e2m1": (170, 0xFD8537DE),
     "fp4_e3m0": (170, 0x2ADCAC87),
     "sparse_2bit": (96, 0x2AF13444),
-    "sparse_fp4": (88, 0xFC8DEFCA),
 }
 
 

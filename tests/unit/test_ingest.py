@@ -17,7 +17,7 @@ from server.rounds.ingest import CHUNK_VALUES, DenseBody, IngestSlot, IngestSlot
 
 # One tensor crosses chunk boundaries with an odd tail; one is smaller than a block.
 SHAPES = [(3, CHUNK_VALUES // 2 + 17), (5,), (0, 4)]
-CODECS = ["fp32", "bf16", "fp4_e2m1", "fp4_e3m0", "sparse_2bit", "sparse_fp4"]
+CODECS = ["fp32", "bf16", "fp4_e2m1", "fp4_e3m0", "sparse_2bit"]
 
 
 def deltas(seed: int) -> list[torch.Tensor]:

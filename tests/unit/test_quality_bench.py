@@ -234,15 +234,16 @@ def test_checks_name_the_best_ratio_and_judge_sparse_against_fp4() -> None:
             entry("dp", 0, 0.0, 1_000_000),
             entry("fp4", 20, 0.02, 4000),
             entry("sparse-2bit", 20, 0.024, 400),
-            entry("sparse-fp4", 20, 0.03, 900),
+            entry("sparse-2bit", 20, 0.03, 900),  # a denser message: fewer bytes saved
         )
     ]
+    entries[-1]["name"] = "sparse-2bit H=20 top-k 1/16"
     lines = quality.check(entries)
     assert "INFO  best bytes ratio vs tuned DP at mean gap <= 1%: none" in lines
     assert "INFO  best bytes ratio vs tuned DP at mean gap <= 3%: 2500x (sparse-2bit H=20)" in lines
     assert "FAIL  >= 1000x fewer bytes than tuned DP at mean gap <= 1%" in lines
     assert any(x.startswith("PASS  sparse-2bit H=20: 10.0x fewer bytes") for x in lines)
-    assert any(x.startswith("FAIL  sparse-fp4 H=20: 4.4x fewer bytes") for x in lines)
+    assert any(x.startswith("FAIL  sparse-2bit H=20 top-k 1/16: 4.4x fewer") for x in lines)
 
 
 @pytest.mark.parametrize("quick", [True, False])
@@ -274,8 +275,8 @@ def test_the_benchmark_writes_every_row_over_its_seeds(tmp_path, monkeypatch, qu
 
 
 def test_rows_are_given_as_codec_h_topk_outer_lr_and_residual_rule() -> None:
-    row = quality.parse_row("sparse-fp4:20:0.015625")
-    assert row == Row("sparse-fp4", h=20, topk=0.015625) and not row.feedback_in_model
+    row = quality.parse_row("sparse-2bit:20:0.015625")
+    assert row == Row("sparse-2bit", h=20, topk=0.015625) and not row.feedback_in_model
     assert row.variant().push_feedback_in_model is False
     assert quality.parse_row("fp32:50") == Row("fp32", h=50)
     assert quality.parse_row("fp4:5:0:0.35") == Row("fp4", h=5, outer_lr=0.35)

@@ -29,7 +29,6 @@ def random_fragment(shapes, seed: int, scale: float = 1.0) -> list[torch.Tensor]
     [
         ("fp4_e2m1", "float32"),
         ("sparse_2bit", "float32"),
-        ("sparse_fp4", "float32"),
         ("fp4_e2m1", "bfloat16"),
         ("sparse_2bit", "bfloat16"),
     ],

@@ -25,7 +25,7 @@ from server.rounds.outer import NesterovOuter
 from server.state.fragment import FragmentState
 from server.state.store import state_identity
 
-SPARSE = [pb.CODEC_SPARSE_2BIT, pb.CODEC_SPARSE_FP4]
+SPARSE = [pb.CODEC_SPARSE_2BIT]
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -48,9 +48,7 @@ def test_keeps_the_top_k_of_each_chunk_with_their_signs(codec: int, numel: int) 
         assert err <= 0.5 * chunk.abs().max()
 
 
-@pytest.mark.parametrize(
-    ("codec", "bits"), [(pb.CODEC_SPARSE_2BIT, 0.227), (pb.CODEC_SPARSE_FP4, 0.252)]
-)
+@pytest.mark.parametrize(("codec", "bits"), [(pb.CODEC_SPARSE_2BIT, 0.227)])
 def test_bits_per_parameter_with_indices_and_scales(codec: int, bits: float) -> None:
     numel = 256 * SPARSE_CHUNK
     msg = encode(randn(numel), codec, sparse_k=64)
@@ -111,7 +109,7 @@ def test_a_decayed_residual_sends_the_decayed_sum(codec: int) -> None:
     assert bool(residual.abs().sum() > 0)
 
 
-@pytest.mark.parametrize("codec", ["sparse_2bit", "sparse_fp4"])
+@pytest.mark.parametrize("codec", ["sparse_2bit"])
 def test_server_error_feedback_served_plus_residual_is_the_exact_trajectory(codec: str) -> None:
     """The served parameters (what learners rebuild) plus the server's residual equal the
     parameters of fp32 pulls, and a learner adding the updates is bit-identical."""
@@ -167,11 +165,8 @@ def test_hostile_payloads_are_refused_before_anything_is_decoded(codec: int) -> 
         "inside it": forged(codec, 100, 64, b"\x05\x00\x7f" + payload[3:], scales),
     }
     bad_scale = b"\xff" * len(scales)
-    cases["NaN" if codec == pb.CODEC_SPARSE_FP4 else "NaN or infinite"] = forged(
-        codec, 100, 64, payload, bad_scale
-    )
-    if codec == pb.CODEC_SPARSE_2BIT:
-        cases["negative"] = forged(codec, 100, 64, payload, b"\x00\x80\x00\x3f")
+    cases["NaN or infinite"] = forged(codec, 100, 64, payload, bad_scale)
+    cases["negative"] = forged(codec, 100, 64, payload, b"\x00\x80\x00\x3f")
     for words, msg in cases.items():
         with pytest.raises(InvalidArgument, match=words):
             check_tensor(msg)
@@ -238,5 +233,5 @@ def test_the_c_selection_gives_the_torch_paths_bytes(codec: int, k: int, monkeyp
 
 
 def test_is_sparse_names_exactly_the_top_k_codecs() -> None:
-    assert sorted(name for name in CODECS if is_sparse(name)) == ["sparse_2bit", "sparse_fp4"]
+    assert sorted(name for name in CODECS if is_sparse(name)) == ["sparse_2bit"]
     assert not is_sparse("no_such_codec")

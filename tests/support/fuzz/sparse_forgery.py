@@ -1,4 +1,4 @@
-"""Well-formed sparse tensors (sparse_2bit / sparse_fp4, a valid checksum) with one forgery.
+"""Well-formed sparse tensors (sparse_2bit, a valid checksum) with one forgery.
 
 Random bytes almost never get past a sparse tensor's index check, so the decoders' other
 strategies rarely reach its scale and value checks. Here the encoder makes a real tensor and one
@@ -6,8 +6,7 @@ field is forged after it, the checksum recomputed so that only the sparse checks
 
 - `repeat_index`, `swap_indices`: two entries of a chunk with the same index, or out of order;
 - `past_end`: the last entry's index past the end of a short last chunk;
-- `bad_scale`: a NaN scale (sparse_fp4: E8M0 byte 255; sparse_2bit: a NaN, infinite or
-  negative bfloat16 magnitude);
+- `bad_scale`: a NaN, infinite or negative bfloat16 magnitude;
 - `huge_scale`: a finite but huge scale (decoded values may overflow to infinity: refused or
   finite, either is fine);
 - `recode`: every value code rewritten at random (any code is valid: must decode finite).
@@ -35,9 +34,8 @@ SHAPES = st.sampled_from([(2,), (37,), (5, 9), (SPARSE_CHUNK,), (SPARSE_CHUNK + 
 def forged_sparse(draw) -> tuple[str, pb.EncodedTensor]:
     """(forgery, tensor): a sparse tensor with one forgery; see the module docstring."""
     shape = draw(SHAPES)
-    codec = draw(st.sampled_from(["sparse_2bit", "sparse_fp4"]))
     values = torch.randn(shape, generator=torch.Generator().manual_seed(draw(st.integers(0, 99))))
-    t = encode(values, codec, sparse_k=draw(st.sampled_from([1, 2, 64, 4096])))
+    t = encode(values, "sparse_2bit", sparse_k=draw(st.sampled_from([1, 2, 64, 4096])))
     numel = values.numel()
     n = kept_total(numel, t.sparse_k)
     split = (3 * n + 1) // 2  # index bytes: 12 bits an entry
@@ -58,18 +56,15 @@ def forged_sparse(draw) -> tuple[str, pb.EncodedTensor]:
             local[j], local[j + 1] = (a, a) if forgery == "repeat_index" else (b, a)
         t.payload = bytes(pack_indices(local).numpy()) + t.payload[split:]
     elif forgery in ("bad_scale", "huge_scale"):
-        t.scales = _forged_scales(draw, t.codec, bytearray(t.scales), forgery == "bad_scale")
+        t.scales = _forged_scales(draw, bytearray(t.scales), forgery == "bad_scale")
     else:
         codes = draw(st.binary(min_size=len(t.payload) - split, max_size=len(t.payload) - split))
         t.payload = t.payload[:split] + codes
     return forgery, with_crc(t)
 
 
-def _forged_scales(draw, codec: int, scales: bytearray, refusable: bool) -> bytes:
+def _forged_scales(draw, scales: bytearray, refusable: bool) -> bytes:
     """`scales` with one chunk's scale NaN, infinite or negative (refusable) or huge."""
-    if codec == pb.CODEC_SPARSE_FP4:
-        scales[draw(st.integers(0, len(scales) - 1))] = 255 if refusable else 254
-        return bytes(scales)
     # Two little-endian bfloat16 magnitudes a chunk: NaN, +inf, or a negative finite value.
     bad = [0x7FC0, 0x7F80, 0xFFC0, 0x8000 | 0x3F80] if refusable else [0x7F7F]
     at = 2 * draw(st.integers(0, len(scales) // 2 - 1))

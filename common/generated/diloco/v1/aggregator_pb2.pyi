@@ -15,7 +15,6 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_FP4_E2M1: _ClassVar[Codec]
     CODEC_FP4_E3M0: _ClassVar[Codec]
     CODEC_SPARSE_2BIT: _ClassVar[Codec]
-    CODEC_SPARSE_FP4: _ClassVar[Codec]
 
 class PushKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,7 +34,6 @@ CODEC_BF16: Codec
 CODEC_FP4_E2M1: Codec
 CODEC_FP4_E3M0: Codec
 CODEC_SPARSE_2BIT: Codec
-CODEC_SPARSE_FP4: Codec
 PUSH_KIND_UNSPECIFIED: PushKind
 PUSH_KIND_DELTA: PushKind
 PUSH_KIND_INITIAL: PushKind
