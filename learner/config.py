@@ -115,11 +115,6 @@ class SyncConfig:
     """quorum/async: a learner k times slower than the live learners' median step time
     advances its schedule k steps per inner step, so it syncs after k times fewer steps of
     its own and its pushes arrive in the same rounds as everyone else's."""
-    align_schedule: bool = True
-    """quorum/async: steer this learner's schedule step, one step at a time, towards the
-    live learners' median (from heartbeats), so the pushes of a fragment arrive in the same
-    rounds instead of drifting apart; a learner behind pushes a step sooner, one ahead
-    trains a step more first. Nobody waits either way."""
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES:

@@ -77,7 +77,7 @@ class Pacer:
 
     def _phase_correction(self) -> int:
         """+1 (one schedule step more) while this learner's schedule is behind the live
-        learners', -1 while ahead, else 0: quorum and async, unless align_schedule is off.
+        learners', -1 while ahead, else 0: quorum and async.
 
         Learners that never wait drift apart in phase (evaluations, restarts, uneven speed).
         Then each push of a fragment lands in a round of its own, and most contributions are
@@ -86,7 +86,7 @@ class Pacer:
         pushes of a fragment together, so rounds gather everyone who is on time. A learner
         behind pushes a little sooner; one ahead trains a step more first: nobody waits.
         """
-        if not self.config.align_schedule or self.blocking:
+        if self.blocking:
             return 0
         with self._lock:
             if self._phase_debt > 0:

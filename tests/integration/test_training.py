@@ -213,14 +213,13 @@ ROUNDS_JUDGED = 16  # both fragments' rounds: b drifts about 70 of a's 80 steps 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("align", [True, False], ids=["aligned", "control"])
-def test_quorum_learners_stay_in_phase_at_different_speeds(
-    start_service, start_learner, tmp_path, align
-):
+def test_quorum_learners_stay_in_phase_at_different_speeds(start_service, start_learner, tmp_path):
     """quorum mode: b runs 12.5% slower than a (a step every 45 ms against 40 ms), so
     without help its pushes drift through a's phase and rounds close with one learner.
-    Schedule alignment steers both towards the same phase, so most rounds gather both. The
-    control (--no-align-schedule) shows the test can tell the difference.
+    Schedule alignment steers both towards the same phase, so most rounds gather both.
+    Without it (measured while learners could turn it off: docs/RESULTS.md, Options measured
+    and not kept) the same run gathered both in 0-19% of the rounds, so the bound below can
+    tell.
 
     The speeds are set by a clock (--step-period-s), not relative to this machine's speed
     (--slowdown): on a busy machine the learners' shares of the cores shift, and with them
@@ -229,9 +228,9 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     so the drift is what the test sets. It is judged over a number of rounds: each fragment
     closes a round every H = 80 of a's steps, in which b falls 10 steps behind. A full
     round needs b within the grace window (8 steps) of a, 16 of the 80 steps of phase; in
-    ROUNDS_JUDGED rounds the control passes through it at most once. The grace window's
+    ROUNDS_JUDGED rounds a drifting pair passes through it at most once. The grace window's
     cap in seconds sits far above 8 steps, so that the window stays 8 steps wide.
-    Measured in 5 runs beside two CPU-bound processes: aligned 100% full rounds, control 0%."""
+    Measured in 5 runs beside two CPU-bound processes: 100% full rounds."""
     h = 80  # P = 2: each fragment is pushed every 80 steps; the grace window is 8 steps
     # lease_s / 3 is the heartbeat interval, and each heartbeat brings one steering correction.
     service = start_service(
@@ -248,7 +247,7 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     agg.events.round_closed = record
     flags = [
         "--n-layer", "2", "--sync-every-steps", str(h), "--overlap-steps", "1",
-        "--max-outer-steps", "100000", *([] if align else ["--no-align-schedule"]),
+        "--max-outer-steps", "100000",
     ]  # fmt: skip
     a = start_learner(service.port, "a", *flags, "--step-period-s", "0.04")
     b = start_learner(service.port, "b", *flags, "--step-period-s", "0.045")
@@ -266,8 +265,5 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(
     window = contributors[seen : seen + ROUNDS_JUDGED]
     full_share = sum(1 for n in window if n == 2) / len(window)
     offset = (steps["b"] - steps["a"] + h / 2) % h - h / 2
-    print(f"align={align}: b {offset:+.1f} steps from a; full rounds {full_share:.0%} {window}")
-    if align:
-        assert full_share >= 0.6, f"rounds had {window} contributors"
-    else:
-        assert full_share <= 0.4, f"without alignment rounds stayed full: {window}"
+    print(f"b {offset:+.1f} steps from a; full rounds {full_share:.0%} {window}")
+    assert full_share >= 0.6, f"rounds had {window} contributors"

@@ -46,9 +46,7 @@ def test_a_joining_learner_is_told_where_the_others_are() -> None:
     assert agg.median_step_time_s() == pytest.approx(0.25)
 
 
-def session(
-    dynamic: bool, my_step_s: float, median_s: float, blocking: bool = False, align: bool = True
-):
+def session(dynamic: bool, my_step_s: float, median_s: float, blocking: bool = False):
     config = build_config(
         DilocoSyncConfig,
         {
@@ -56,7 +54,6 @@ def session(
             "insecure": True,
             "sync_every_steps": 8,
             "dynamic_local_updates": dynamic,
-            "align_schedule": align,
         },
     )
     progress = Progress(learner_id="x", inner_steps=10, compute_s=10 * my_step_s)
@@ -113,8 +110,8 @@ class RecordingSync:
         return []
 
 
-def steered(align: bool = True, blocking: bool = False) -> SyncSession:
-    s = session(False, 0.3, 0.3, blocking, align)
+def steered(blocking: bool = False) -> SyncSession:
+    s = session(False, 0.3, 0.3, blocking)
     s.sync = RecordingSync()
     s.step = 100
     return s
@@ -147,17 +144,16 @@ def test_a_learner_ahead_trains_extra_steps_without_pushing_or_waiting() -> None
 
 
 @pytest.mark.parametrize(
-    ("align", "blocking", "cluster", "mine"),
+    ("blocking", "cluster", "mine"),
     [
-        (True, False, 101, 100),  # within the deadband: noise, not drift
-        (True, False, 99, 100),
-        (True, False, 0, 100),  # the server has no reports
-        (True, True, 130, 100),  # sync mode: rounds wait for everyone anyway
-        (False, False, 130, 100),  # --no-align-schedule
+        (False, 101, 100),  # within the deadband: noise, not drift
+        (False, 99, 100),
+        (False, 0, 100),  # the server has no reports
+        (True, 130, 100),  # sync mode: rounds wait for everyone anyway
     ],
 )
-def test_no_steering(align, blocking, cluster, mine) -> None:
-    s = steered(align, blocking)
+def test_no_steering(blocking, cluster, mine) -> None:
+    s = steered(blocking)
     try:
         s.pacer.set_phase_error(cluster_step=cluster, my_step=mine)
         for _ in range(3):
