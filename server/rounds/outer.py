@@ -55,8 +55,8 @@ _SETTING_OF_FIELD = {
 }
 # Settings a snapshot records but a restore leaves at the config's (the log replays with them).
 _CONFIG_FIELDS = ("warmup_rounds", "warmup_start")
-# Fields of snapshots written with the constant outer lr of a retired lr schedule option.
-_RETIRED_FIELDS = ("lr_schedule", "lr_schedule_rounds", "lr_schedule_power")
+# An outer lr schedule a snapshot may record: read to refuse any but a constant lr.
+_SCHEDULE_FIELDS = ("lr_schedule", "lr_schedule_rounds", "lr_schedule_power")
 # outer_state_dtype's values: the dtype the momentum (and a fragment's pull residual) is kept in.
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -104,18 +104,18 @@ class NesterovOuter:
     state_dtype: str = "float32"
 
     def restore(self, state: dict, version: int) -> None:
-        """Load a snapshot's `vars()`. The warm-up's and the lr schedule's settings stay the
-        config's; the state dtype is the snapshot's, so that the log after it replays as it ran
-        (`convert_state` then takes the config's); a snapshot from before the warm-up existed
-        took one outer step per version, and one from before the state dtype existed kept
-        float32."""
+        """Load a snapshot's `vars()`. The warm-up's settings stay the config's; the state
+        dtype is the snapshot's, so that the log after it replays as it ran (`convert_state`
+        then takes the config's). A snapshot without a count of steps took one outer step per
+        version, one without a state dtype kept float32; one whose outer lr follows a
+        schedule is refused (this server's outer lr is constant)."""
         if state.get("lr_schedule", "constant") != "constant":
             raise ValueError(
                 f"the state dir's outer optimizer follows outer_lr_schedule "
                 f"{state['lr_schedule']}, which this server does not offer: start on a new "
                 f"state dir from the model diloco-export writes out of this one"
             )
-        state = {k: v for k, v in state.items() if k not in _CONFIG_FIELDS + _RETIRED_FIELDS}
+        state = {k: v for k, v in state.items() if k not in _CONFIG_FIELDS + _SCHEDULE_FIELDS}
         state.setdefault("steps_taken", version)
         state.setdefault("state_dtype", "float32")
         for name, value in state.items():

@@ -218,7 +218,7 @@ def test_a_snapshot_from_before_the_warmup_resumes_past_it_and_the_config_wins()
         old.apply_mean(delta(r)[1])
     state = old.state_dict()
     for name in ("steps_taken", "warmup_rounds", "warmup_start"):
-        del state["outer"][name]  # as written before the warm-up existed
+        del state["outer"][name]  # a snapshot without the warm-up's fields
     resumed = fragment(warmup_rounds=20)
     resumed.load_state_dict(state)
     assert resumed.outer.steps_taken == 5 and resumed.outer.warmup_rounds == 20
@@ -241,3 +241,17 @@ def test_a_server_killed_before_each_snapshot_still_compacts_its_log(tmp_path) -
         agg, s = start(tmp_path, snapshot_every_versions=8)
         assert [agg.version(0), agg.version(1)] == [3 * life + 3] * 2
     assert max(records) < 8 and log_path.stat().st_size > 0
+
+
+def test_a_snapshot_whose_outer_lr_follows_a_schedule_is_refused() -> None:
+    """This server's outer lr is constant: a state dir whose optimizer followed a schedule
+    would step differently after a restart, so it is refused with what to do."""
+    from server.rounds.outer import NesterovOuter
+
+    state = {**vars(NesterovOuter()), "lr_schedule": "cosine", "lr_schedule_rounds": 10}
+    with pytest.raises(ValueError, match="outer_lr_schedule cosine.*diloco-export"):
+        NesterovOuter().restore(state, version=3)
+    constant = {**vars(NesterovOuter(lr=0.5)), "lr_schedule": "constant"}
+    restored = NesterovOuter()
+    restored.restore(constant, version=3)
+    assert restored.lr == 0.5 and not hasattr(restored, "lr_schedule")
