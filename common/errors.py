@@ -49,3 +49,10 @@ class PermissionDenied(DilocoError):
     """An authenticated learner acts for another learner (its session or its id)."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unavailable(DilocoError):
+    """The server cannot take the request now (its state dir cannot be written); a retry
+    later, once it is back, may succeed."""
+
+    code = grpc.StatusCode.UNAVAILABLE

@@ -74,6 +74,7 @@ def create_server(
     max_workers: int = 256,
     interceptors: tuple[grpc.ServerInterceptor, ...] = (),
     max_concurrent_streams: int = 100,
+    health_servicer: health.HealthServicer | None = None,
 ) -> tuple[grpc.Server, int]:
     """An unstarted gRPC server bound to `listen` (host:port) with the health service; TLS
     with `credentials` (common/tls.py), plaintext without.
@@ -84,7 +85,8 @@ def create_server(
     client that ignores the setting has the excess refused (RST_STREAM REFUSED_STREAM, which
     its gRPC stack reports as UNAVAILABLE). Health checks run on a pool of their own: a flood
     of them cannot take the learners' threads, nor can calls that fill the main pool delay
-    them (a Watch holds no thread at all).
+    them (a Watch holds no thread at all). `health_servicer` (new_health) lets the caller set
+    the status it reports; default: one that always says SERVING.
     """
     options = [*_SERVER_OPTIONS, ("grpc.max_concurrent_streams", max_concurrent_streams)]
     server = grpc.server(
@@ -93,7 +95,7 @@ def create_server(
         interceptors=interceptors,
     )
     port = _bind(server, listen, credentials, "the gRPC server")
-    _add_health(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer or new_health(), server)
     return server, port
 
 
@@ -115,10 +117,12 @@ def _bind(
     return port
 
 
-def create_health_server(listen: str) -> tuple[grpc.Server, int]:
+def create_health_server(
+    listen: str, health_servicer: health.HealthServicer | None = None
+) -> tuple[grpc.Server, int]:
     """An unstarted plaintext gRPC server on `listen` with the health service alone, for
-    probes that cannot speak TLS (Kubernetes' grpc probe). It answers as the main server's
-    health service does (SERVING while the process serves) and offers nothing else."""
+    probes that cannot speak TLS (Kubernetes' grpc probe). Given the main server's
+    `health_servicer` it answers as that does, and offers nothing else."""
     options = [
         *(o for o in _SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
         ("grpc.max_receive_message_length", _HEALTH_MESSAGE_BYTES),
@@ -129,12 +133,13 @@ def create_health_server(listen: str) -> tuple[grpc.Server, int]:
         options=options,
     )
     port = _bind(server, listen, None, "the health server")
-    _add_health(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer or new_health(), server)
     return server, port
 
 
-def _add_health(server: grpc.Server) -> None:
-    """grpc's health service, with Check run on HEALTH_THREADS threads of its own."""
+def new_health() -> health.HealthServicer:
+    """grpc's health service saying SERVING (for the server and SERVICE_NAME), with Check
+    run on HEALTH_THREADS threads of its own; `set_serving` changes what it says."""
     servicer = health.HealthServicer()
     servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -148,7 +153,18 @@ def _add_health(server: grpc.Server) -> None:
         max_workers=HEALTH_THREADS, thread_name_prefix="health"
     )
     servicer.Check = own_pool_check
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    return servicer
+
+
+def set_serving(servicer: health.HealthServicer, serving: bool) -> None:
+    """Say SERVING or NOT_SERVING, for the server and SERVICE_NAME (Check and Watch)."""
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", SERVICE_NAME):
+        servicer.set(name, status)
 
 
 def create_channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:

@@ -1,23 +1,19 @@
 """The aggregator: the rules of a run, free of gRPC so that every rule is unit-testable.
 
-`Aggregator` coordinates, under one lock:
-
-- `Learners` (learners.py): every learner's session, lease, reports and pushes;
-- `GlobalParams` (state/params.py): the model fingerprint fixed by the first learner and one
-  `FragmentState` (state/fragment.py) per fragment: the global parameters, their version,
-  the outer optimizer state, the open round and the update log;
-- `Admission` (rounds/admission.py): what a push must pass and what it weighs;
-- one round policy (rounds/policy.py), picked once from the mode: when a round closes, and
-  the close (its mean logged, then the outer step);
-- `Persistence` (state/store.py): the state dir's snapshots and log of outer steps.
-
-A learner whose lease expires or who leaves stops counting, so a dead learner never stalls
-the others. All methods are thread-safe; `wait_for_version` lets callers (the PullParams
-long-poll, tests) block on progress without sleeping.
+`Aggregator` coordinates, under one lock: `Learners` (learners.py: every learner's session,
+lease, reports and pushes); `GlobalParams` (state/params.py: the fingerprint fixed by the
+first learner and one `FragmentState` per fragment: parameters, version, outer state, open
+round, update log); `Admission` (rounds/admission.py: what a push must pass and weighs); one
+round policy (rounds/policy.py, picked from the mode: when a round closes, and the close);
+and `Persistence` (state/store.py: the state dir). A learner whose lease expires or who
+leaves stops counting, so a dead learner never stalls the others. All methods are
+thread-safe; `wait_for_version` lets callers (the PullParams long-poll, tests) block on
+progress without sleeping.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -34,8 +30,8 @@ from server.rounds.admission import Admission, PushRefused, check_shapes, check_
 from server.rounds.ingest import DenseBody, PushBody
 from server.rounds.policy import round_policy
 from server.state.fragment import FragmentState, PullResult
-from server.state.params import GlobalParams, ParamSpec, ShardMap, check_fingerprint
-from server.state.store import Persistence, Restored, state_identity
+from server.state.params import GlobalParams, ParamSpec, ShardMap, check_fingerprint, state_identity
+from server.state.store import Persistence, Restored, StateDirFailed
 
 __all__ = ["Aggregator", "AggregatorEvents", "JoinResult"]
 
@@ -43,9 +39,8 @@ log = logging.getLogger(__name__)
 
 
 class AggregatorEvents:
-    """What the aggregator reports as it works, for metrics (server/rpc/metrics.py); this
-    default ignores it all. Called under the aggregator's lock: a listener must be quick and
-    must not call back into the aggregator."""
+    """What the aggregator reports as it works, for metrics (rpc/metrics.py; this default
+    ignores it), under its lock: a listener must be quick and not call back into it."""
 
     def contribution(self, staleness_versions: int) -> None:
         """A pseudo-gradient was accepted, computed this many versions behind the global."""
@@ -69,7 +64,7 @@ class JoinResult:
     mode: str
     layout: str
     schedule_step: int = 0  # where the other live learners' schedule is now
-    shard_map: ShardMap | None = None  # which shard owns each fragment
+    shard_map: ShardMap | None = None
 
 
 class Readings:
@@ -80,6 +75,7 @@ class Readings:
     _clock: Callable[[], float]
     _learners: Learners
     _params: GlobalParams
+    _store: Persistence
 
     def median_step_time_s(self) -> float:
         """The live learners' median reported inner-step time (0: none reported)."""
@@ -96,10 +92,14 @@ class Readings:
         with self._cond:
             return self._learners.schedule_steps()
 
+    def state_failure(self) -> str | None:
+        """Why the state dir cannot be written, once it failed (no new versions since)."""
+        with self._cond:
+            return self._store.failure
+
     def learner_pushes(self) -> list[tuple[str, bool, int, int, float]]:
-        """(learner id, live, fragment, round version, seconds since) of each learner's last
-        accepted push, for the learners live or with a push (fragment and version -1 when
-        none), by id."""
+        """(learner id, live, fragment, round version, seconds since) of each live learner's
+        or pusher's last accepted push (-1, -1 for none), by id."""
         with self._cond:
             now, rows = self._clock(), []
             for learner in self._learners.everyone():
@@ -200,11 +200,11 @@ class Aggregator(Readings):
             return self._params.restore(restored, self._policy.before_replay)
 
     def checkpoint(self) -> None:
-        """Write a snapshot now (at shutdown, so a restart replays nothing)."""
+        """A snapshot now (at shutdown: a restart replays nothing), unless the dir failed."""
         with self._cond:
-            if self._params.fingerprint is not None:
+            if self._params.fingerprint is not None and self._store.failure is None:
                 self._snapshot()
-                self._store.close()
+            self._store.close()
 
     def join(
         self, learner_id: str, fingerprint: Sequence[ParamSpec], tokens_per_step: int = 0
@@ -283,7 +283,11 @@ class Aggregator(Readings):
             _, fragment = self._checked(session_id, fragment_id, -1, initial=True)
             check_shapes(fragment_id, fragment.shapes, [tuple(t.shape) for t in tensors])
             fragment.initialize(tensors)
-            self._snapshot()  # durable before anyone can pull it
+            try:
+                self._snapshot()  # durable before anyone can pull it
+            except StateDirFailed:
+                fragment.params, fragment.version = None, -1  # not durable: not there
+                raise
             self._cond.notify_all()
             return 0
 
@@ -354,6 +358,7 @@ class Aggregator(Readings):
         """The push's learner (its lease renewed) and fragment, once its header passed."""
         learner = self._learners.renew(session_id)
         fragment = self._params.fragment(fragment_id)
+        self._store.check_writable()  # no new version once the state dir failed
         self._admission.check_header(learner, fragment, base_version, initial)
         return learner, fragment
 
@@ -377,7 +382,9 @@ class Aggregator(Readings):
         round_s = self._clock() - opened_at if opened_at is not None else 0.0
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
         if self._store.round_closed():
-            self._snapshot()
+            # The step is logged: a snapshot that fails stops new versions, not this one.
+            with contextlib.suppress(StateDirFailed):
+                self._snapshot()
         log.info(
             "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
             fragment.fragment_id,

@@ -39,13 +39,8 @@ from common.atomic import atomic_write
 from common.metrics_http import check_listen
 from common.rpc import LEARNER_ID_HEADER
 from common.tls import server_credentials
-from server.rpc.calls import (
-    HEALTH_METHOD_PREFIX,
-    Call,
-    around_calls,
-    current_call,
-    replace_behavior,
-)
+from server.rpc.calls import HEALTH_METHOD_PREFIX, Call, current_call
+from server.rpc.handlers import around_calls, replace_behavior
 
 
 @dataclass(kw_only=True)
@@ -206,7 +201,8 @@ class OpenCalls:
         self._open: dict[str, dict[int, Call]] = {}
 
     def add(self, key: str, call: Call) -> Callable[[], None]:
-        """Track the call; returns the function that forgets it (safe to call twice)."""
+        """Track the call; returns the function that forgets it (safe to call twice). It also
+        runs when the call ends, in case its handler is never resumed."""
         with self._lock:
             self._open.setdefault(key, {})[id(call)] = call
 
@@ -217,6 +213,8 @@ class OpenCalls:
                 if not calls:
                     self._open.pop(key, None)
 
+        if not call.context.add_callback(release):
+            release()
         return release
 
     def count(self, key: str) -> int:

@@ -28,6 +28,7 @@ reason: "idle" or "slow".
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import logging
 import queue
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.rpc import LEARNER_ID_HEADER
+from server.rpc.handlers import behavior_from, replace_behavior
 
 log = logging.getLogger(__name__)
 
@@ -133,22 +135,25 @@ class EndableCalls(grpc.ServerInterceptor):
                 finally:
                     if reader is not None:
                         reader.close()
-                    _current.reset(token)
+                    with contextlib.suppress(ValueError):  # a stream closed from elsewhere
+                        _current.reset(token)
 
-            return _behavior(run, handler.response_streaming)
+            return behavior_from(run, handler.response_streaming)
 
         return replace_behavior(handler, wrap)
 
 
 class _EndableRequests:
-    """A request stream read one message ahead by a thread of its own; `next` waits on a
-    queue that Call.end wakes, and then aborts the call with the status it was asked for."""
+    """A request stream read by a thread of its own, a message when the handler asks for
+    one; `next` waits on a queue that Call.end wakes, and then aborts the call with the
+    status it was asked for. Past its end it keeps answering as it ended."""
 
     def __init__(self, requests: Iterator, call: Call) -> None:
         self._requests, self._call = requests, call
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._wanted = threading.Semaphore(0)  # the handler asks for one more message
         self._closed = False
+        self._ended: BaseException | None = None  # StopIteration or the stream's error
         self._thread: threading.Thread | None = None
         call.on_end(lambda: self._queue.put(_DONE))
 
@@ -156,15 +161,19 @@ class _EndableRequests:
         return self
 
     def __next__(self):
+        if self._ended is not None:
+            raise self._ended
         if self._thread is None:
             self._thread = threading.Thread(target=self._read, name="requests", daemon=True)
             self._thread.start()
         self._wanted.release()
         item = self._queue.get()
         if item is _DONE:
+            self._ended = StopIteration()
             self._call.abort_if_ended()
             raise StopIteration
         if isinstance(item, BaseException):
+            self._ended = item
             raise item
         return item
 
@@ -286,7 +295,7 @@ class StreamDeadlines(grpc.ServerInterceptor):
                 finally:
                     self._forget(watch)
 
-            return _behavior(streaming, handler.response_streaming)
+            return behavior_from(streaming, handler.response_streaming)
 
         return replace_behavior(handler, wrap)
 
@@ -297,6 +306,9 @@ class StreamDeadlines(grpc.ServerInterceptor):
         watch = _Watch(call, method, authenticated_learner() or claimed or "(no id)")
         with self._lock:
             self._open.add(watch)
+        # A streamed answer whose reader went away may never be resumed to its end.
+        if not call.context.add_callback(lambda: self._forget(watch)):
+            self._forget(watch)
         return watch
 
     def _forget(self, watch: _Watch) -> None:
@@ -338,62 +350,3 @@ class StreamDeadlines(grpc.ServerInterceptor):
             watch.waiting_since = self._clock()
             yield response
             watch.waiting_since = None
-
-
-def around_calls(handler: grpc.RpcMethodHandler, enter: Callable) -> grpc.RpcMethodHandler:
-    """The same handler with `enter(context)` run as each call starts and the function it
-    returns run as the call ends (a streamed answer's end included), for interceptors that
-    hold something for the length of a call."""
-
-    def wrap(behavior):
-        if handler.response_streaming:
-
-            def streaming(request, context):
-                leave = enter(context)
-                try:
-                    yield from behavior(request, context)
-                finally:
-                    leave()
-
-            return streaming
-
-        def unary(request_or_iterator, context):
-            leave = enter(context)
-            try:
-                return behavior(request_or_iterator, context)
-            finally:
-                leave()
-
-        return unary
-
-    return replace_behavior(handler, wrap)
-
-
-def replace_behavior(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
-    """The same handler with its behavior function replaced by wrap(behavior)."""
-    kinds = {
-        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
-        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
-        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
-        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
-    }
-    attr, make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        wrap(getattr(handler, attr)),
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
-def _behavior(run: Callable, response_streaming: bool) -> Callable:
-    """A handler behavior from the generator function `run`: itself for a streamed answer,
-    else a function that returns what `run` returns (it yields nothing)."""
-
-    def unary(request_or_iterator, context):
-        try:
-            next(run(request_or_iterator, context))
-        except StopIteration as done:
-            return done.value
-        raise RuntimeError("a unary answer yielded a message")
-
-    return run if response_streaming else unary

@@ -135,6 +135,12 @@ class _StateCollector(Collector):
             versions.add_metric([str(fid)], version)
         yield versions
         yield GaugeMetricFamily(
+            "diloco_server_state_dir_failed",
+            "1 once the state dir could not be written: the shard takes no new versions "
+            "until it is restarted (the log says why), else 0.",
+            value=int(agg.state_failure() is not None),
+        )
+        yield GaugeMetricFamily(
             "diloco_server_live_learners",
             "Learners holding a live lease.",
             value=len(agg.live_learners()),

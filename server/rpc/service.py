@@ -55,7 +55,13 @@ from grpc_reflection.v1alpha import reflection
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.metrics_http import write_port_file
-from common.rpc import SERVICE_NAME, create_health_server, create_server
+from common.rpc import (
+    SERVICE_NAME,
+    create_health_server,
+    create_server,
+    new_health,
+    set_serving,
+)
 from server.aggregator import Aggregator
 from server.config import ServerConfig
 from server.rpc.auth import CertificateIdentity, TokenAuth
@@ -105,12 +111,15 @@ class AggregatorService:
         identity = CertificateIdentity() if network.tls_client_id_from_cert else None
         chain = (ChunkViews(), EndableCalls(), self.auth, identity, self.rate_limit)
         chain += (self.in_flight, self.deadlines)
+        # NOT_SERVING once the state dir fails (the reaper checks): orchestrators see it.
+        self.health = new_health()
         self._server, self.port = create_server(
             network.listen,
             network.credentials(),
             max_workers=limits.worker_threads,
             interceptors=tuple(i for i in chain if i is not None),
             max_concurrent_streams=limits.max_concurrent_streams,
+            health_servicer=self.health,
         )
         mb = limits.push_memory_budget_mb
         budget = PushBudget(
@@ -130,7 +139,9 @@ class AggregatorService:
         # Plaintext health for probes that cannot speak TLS: a server of its own, so that
         # nothing else is ever served without the main port's TLS.
         self._health_server, self.health_port = (
-            create_health_server(network.health_listen) if network.health_listen else (None, 0)
+            create_health_server(network.health_listen, self.health)
+            if network.health_listen
+            else (None, 0)
         )
         self._stopping = threading.Event()
         self._reaper = threading.Thread(target=self._expire_leases, name="reaper", daemon=True)
@@ -181,7 +192,11 @@ class AggregatorService:
     def _expire_leases(self) -> None:
         # Often enough for grace windows; a dead learner is dropped within a lease and a tick,
         # a stream past its deadline is cut within a tick.
+        serving = True
         while not self._stopping.wait(min(self.config.membership.lease_s / 4, TICK_S)):
+            if serving and self.aggregator.state_failure() is not None:
+                serving = False
+                set_serving(self.health, False)
             chores = (self.aggregator.tick, self.deadlines.sweep if self.deadlines else None)
             for chore in filter(None, chores):
                 try:

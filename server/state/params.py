@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.codec.sparse import topk_k
+from common.codec.tensor import is_sparse
 from common.config import address_list
 from common.errors import FailedPrecondition, InvalidArgument, NotFound
 from common.fragments import layout_fragments
@@ -330,3 +331,23 @@ def check_state_dir_shard(state_dir: str, recorded: dict, mine: dict) -> None:
 
 def _hash(value: object) -> str:
     return hashlib.sha256(json.dumps(value, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def state_identity(
+    streaming: StreamingConfig, mode: str, sharding: ShardingConfig | None = None
+) -> dict:
+    """The settings a state dir is bound to: a dir written with others is refused, since its
+    fragments, codec state and outer optimizer would not fit (a sparse pull codec's kept
+    fraction too: replaying the log with another would not rebuild the served replicas; a
+    shard's index and the shard count too)."""
+    sharding = sharding or ShardingConfig()
+    identity = {
+        "fragments": streaming.fragments,
+        "layout": streaming.layout,
+        "mode": mode,
+        "pull_codec": streaming.pull_codec,
+        **shard_identity(sharding.shard_index, sharding.shard_count),
+    }
+    if is_sparse(streaming.pull_codec):
+        identity["pull_topk_fraction"] = streaming.pull_topk_fraction
+    return identity

@@ -7,9 +7,8 @@
     if persistence.round_closed(): persistence.snapshot(fingerprint, fragments)
 
     state_dir/snapshot.pt   torch.save of the whole aggregator state, replaced atomically
-                            (write a temp file, fsync, rename, fsync the directory):
-                            {"fingerprint": [(name, shape, dtype)], "layout": {fragments,
-                            layout, mode, pull_codec[, pull_topk_fraction]},
+                            (temp file, fsync, rename, fsync the directory): {"fingerprint",
+                            "layout": the dir's identity (params.state_identity),
                             "fragments": [FragmentState.state_dict()]}
     state_dir/updates.log   one record per closed round since that snapshot:
                             magic "DLR2" | payload length (u64) | crc32 (u32) | payload
@@ -19,20 +18,20 @@
 
 Invariant: a version that any learner has seen is durable. The round's record is appended
 (and fsynced) before its outer step is taken (rounds/policy.py), all under the aggregator's
-lock, so no version exists, let alone is served, whose record is not on disk. After `kill -9`
-the server loads the snapshot and replays the means
-through the same deterministic outer step, ending bit-identical, momentum and error feedback
-included. A torn or corrupt record can only be the tail (a write the crash interrupted,
-whose version was never served): replay stops at the first bad record, truncates the log
-there and says so. Replay checks that versions follow on, so nothing is applied blindly.
+lock. After `kill -9` the server loads the snapshot and replays the means through the same
+deterministic outer step, ending bit-identical, momentum and error feedback included. A torn
+or corrupt record can only be the tail: replay stops at the first bad record, truncates the
+log there and says so, and checks that versions follow on. A record that fails to be written
+is cut off again, and the shard then takes no new versions (StateDirFailed: UNAVAILABLE to
+pushes, health NOT_SERVING) until it is restarted with the disk back: it loses nothing.
 
-Memory: a record is written from the mean tensors' own buffers (no serialized copy) and
-replay reads one record at a time, so neither costs more than one model-sized tensor list
-(reading the whole log first would cost two model sizes per record: the file and the means).
+Memory: a record is written from the mean tensors' own buffers and replay reads one record
+at a time, so neither costs more than one model-sized tensor list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -50,14 +49,12 @@ import torch
 
 from common.atomic import atomic_write
 from common.checksum import crc32
-from common.codec.tensor import is_sparse
-from common.errors import NotFound
+from common.errors import NotFound, Unavailable
 from server.state.fragment import FragmentState
-from server.state.params import ParamSpec, ShardingConfig, check_state_dir_shard, shard_identity
+from server.state.params import ParamSpec, check_state_dir_shard
 
 if TYPE_CHECKING:
     from server.aggregator import AggregatorEvents
-    from server.config import StreamingConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +81,11 @@ class PersistenceConfig:
             )
 
 
+class StateDirFailed(Unavailable):
+    """The state dir could not be written: the shard takes no new versions until it is
+    restarted with the disk back (what it served is on disk, so the restart loses nothing)."""
+
+
 @dataclass(frozen=True)
 class LogRecord:
     fragment_id: int
@@ -102,43 +104,19 @@ class Restored:
     updates: Iterator[LogRecord]  # each the next version of its fragment; read it to the end
 
 
-def state_identity(
-    streaming: StreamingConfig, mode: str, sharding: ShardingConfig | None = None
-) -> dict:
-    """The settings a state dir is bound to: a dir written with others is refused, since its
-    fragments, codec state and outer optimizer would not fit (a sparse pull codec's kept
-    fraction too: replaying the log with another would not rebuild the served replicas; a
-    shard's index and the shard count too, params.py)."""
-    sharding = sharding or ShardingConfig()
-    identity = {
-        "fragments": streaming.fragments,
-        "layout": streaming.layout,
-        "mode": mode,
-        "pull_codec": streaming.pull_codec,
-        **shard_identity(sharding.shard_index, sharding.shard_count),
-    }
-    if is_sparse(streaming.pull_codec):
-        identity["pull_topk_fraction"] = streaming.pull_topk_fraction
-    return identity
-
-
 class Persistence:
     """The Aggregator's state dir (inert without one): restore at start, then every closed
     round logged and a snapshot now and then. Called with the Aggregator's lock held."""
 
-    def __init__(
-        self,
-        config: PersistenceConfig,
-        identity: dict,
-        events: AggregatorEvents,
-    ) -> None:
-        """`identity`: what state_identity() returns for the server's settings."""
+    def __init__(self, config: PersistenceConfig, identity: dict, events: AggregatorEvents):
+        """`identity`: what params.state_identity() gives for the server's settings."""
         self.state_dir = config.state_dir
         self._every = config.snapshot_every_versions
         self._identity = identity
         self._events = events
         self._store = StateStore(config.state_dir) if config.state_dir else None
         self._rounds_since_snapshot = 0
+        self.failure: str | None = None  # why the state dir cannot be written, once it failed
 
     def restore(self) -> Restored | None:
         """The state the dir holds, None for an empty dir (or none). Raises ValueError for a
@@ -157,17 +135,39 @@ class Persistence:
         return replace(restored, updates=self._counted(restored.updates))
 
     def _counted(self, updates: Iterator[LogRecord]) -> Iterator[LogRecord]:
-        """The log's rounds count towards the next snapshot as if this process had closed
-        them: a server killed before it closes `snapshot_every_versions` rounds of its own
-        still snapshots, and each restart does not replay a longer log than the last."""
+        """The log's rounds count towards the next snapshot, so that each restart does not
+        replay a longer log than the last."""
         for record in updates:
             self._rounds_since_snapshot += 1
             yield record
 
     def record(self, fragment_id: int, version: int, mean: list[torch.Tensor], every: int) -> None:
-        """Log the outer step that made `version` of a fragment; on disk when this returns."""
-        if self._store is not None:
+        """Log the outer step that will make `version` of a fragment; on disk when this
+        returns. StateDirFailed if it cannot be (the log is left as it was before)."""
+        if self._store is None:
+            return
+        self.check_writable()
+        try:
             self._store.append(LogRecord(fragment_id, version, mean, every))
+        except OSError as err:
+            self._fail(f"cannot append to {self._store.log_path}: {err.strerror or err}")
+
+    def check_writable(self) -> None:
+        """StateDirFailed once the state dir failed: no new version may be made."""
+        if self.failure is not None:
+            raise StateDirFailed(
+                f"this shard takes no new versions: {self.failure}; it serves what it has "
+                f"until it is restarted with the disk back"
+            )
+
+    def _fail(self, reason: str) -> None:
+        self.failure = reason
+        log.error(
+            "state dir failed: %s; this shard takes no new versions until it is restarted "
+            "(every version it served is on disk)",
+            reason,
+        )
+        self.check_writable()
 
     def round_closed(self) -> bool:
         """Count a closed round; True when a snapshot is due."""
@@ -182,14 +182,19 @@ class Persistence:
         """Write the whole state; the log starts over."""
         if self._store is None:
             return
+        self.check_writable()
         started = time.perf_counter()
-        self._store.write_snapshot(
-            {
-                "fingerprint": [(p.name, p.shape, p.dtype) for p in fingerprint],
-                "layout": dict(self._identity),
-                "fragments": [f.state_dict() for f in fragments],
-            }
-        )
+        try:
+            self._store.write_snapshot(
+                {
+                    "fingerprint": [(p.name, p.shape, p.dtype) for p in fingerprint],
+                    "layout": dict(self._identity),
+                    "fragments": [f.state_dict() for f in fragments],
+                }
+            )
+        except (OSError, RuntimeError) as err:  # torch.save reports a failed write so
+            reason = getattr(err, "strerror", None) or str(err)
+            self._fail(f"cannot write {self._store.snapshot_path}: {reason}")
         self._rounds_since_snapshot = 0
         self._events.snapshot_written(time.perf_counter() - started)
 
@@ -199,11 +204,9 @@ class Persistence:
 
 
 def read_state_dir(state_dir: str | Path) -> Restored | None:
-    """What `state_dir` holds, as a server starting on it would restore it, read without
-    changing anything: a torn log tail is skipped, not truncated, and a missing dir is not
-    made. None when it holds no snapshot. For tools that read a server's dir (diloco-export);
-    raises what Persistence.restore raises, and OSError or a torch.load error for an
-    unreadable snapshot."""
+    """What `state_dir` holds, as a server starting on it would restore it, changing nothing
+    (a torn log tail is skipped, not truncated); None without a snapshot. For diloco-export:
+    raises what Persistence.restore raises, and OSError or torch.load's error."""
     return _restore(StateStore(state_dir, read_only=True))
 
 
@@ -240,6 +243,8 @@ def _updates(store: StateStore, versions: list[int]) -> Iterator[LogRecord]:
 
 
 class StateStore:
+    """The files: the snapshot and the log's records."""
+
     def __init__(self, state_dir: str | Path, read_only: bool = False) -> None:
         """`read_only`: never write (no dir made, a torn log tail left in place), so that a
         reader cannot cut a record a running server is still appending."""
@@ -291,31 +296,43 @@ class StateStore:
         """Append one record and fsync it before returning; the tensors' bytes are written
         from their own buffers."""
         views = [_bytes_view(t) for t in record.mean]
-        meta = json.dumps(
-            {
-                "fragment": record.fragment_id,
-                "version": record.version,
-                "every": record.outer_every,
-                "shapes": [list(t.shape) for t in record.mean],
-            }
-        ).encode()
+        shapes = [list(t.shape) for t in record.mean]
+        fields = {"fragment": record.fragment_id, "version": record.version}
+        meta = json.dumps({**fields, "every": record.outer_every, "shapes": shapes}).encode()
         head = _META_LEN.pack(len(meta)) + meta
         crc = crc32(head)
         for view in views:
             crc = crc32(view, crc)
         length = len(head) + sum(view.nbytes for view in views)
         if self._log is None:
-            self._log = open(self.log_path, "ab")
-        self._log.write(_HEADER.pack(_MAGIC, length, crc) + head)
-        for view in views:
-            self._log.write(view)
-        self._log.flush()
-        os.fsync(self._log.fileno())
+            self._log = open(self.log_path, "ab", buffering=0)  # nothing left in a buffer
+        start = self._log.seek(0, os.SEEK_END)
+        try:
+            for piece in (_HEADER.pack(_MAGIC, length, crc) + head, *views):
+                _write_all(self._log, piece)
+            os.fsync(self._log.fileno())
+        except OSError:
+            # A record that did not make it must not stay as a torn piece in the middle of
+            # the log, nor as a whole one whose round was dropped: back to where it started.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._log.fileno(), start)
+                os.fsync(self._log.fileno())
+            raise
 
     def close(self) -> None:
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
+    """Write all of `data` to the unbuffered file `f` (a raw write may take part of it)."""
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        written = f.write(view)
+        if not written:
+            raise OSError(f"wrote nothing to {f.name}")
+        view = view[written:]
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:

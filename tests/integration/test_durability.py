@@ -129,3 +129,44 @@ def test_learner_trains_through_a_server_crash_and_resyncs(tmp_path, start_learn
     restored = json.loads(restored_log.split("versions ")[1].split(" (replayed")[0])
     # Training went on after the restart: the server moved past the restored versions.
     assert all(v > r for v, r in zip(summary["versions"], restored, strict=True))
+
+
+def test_a_state_dir_that_fails_turns_health_not_serving(
+    tmp_path, start_service, monkeypatch
+) -> None:
+    """Orchestrators see a shard that takes no new versions: NOT_SERVING on both health
+    ports, and the metric says so."""
+    import errno
+    import os
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from common.rpc import create_channel
+    from server.state.params import ParamSpec
+    from server.state.store import StateDirFailed
+
+    service = start_service(state_dir=str(tmp_path / "state"), health_listen="127.0.0.1:0")
+    agg = service.aggregator
+    session = agg.join("a", [ParamSpec("w", (8,), "float32")]).session_id
+    agg.initialize(session, 0, [torch.zeros(8)])
+    real, calls = os.fsync, []
+
+    def fails_once(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fails_once)
+    with pytest.raises(StateDirFailed):
+        agg.push(session, 0, 0, [torch.full((8,), 1e-3)])
+    failed = "diloco_server_state_dir_failed"
+    assert service.metrics.registry.get_sample_value(failed) == 1.0
+    not_serving, request = (
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+        health_pb2.HealthCheckRequest(),
+    )
+    for port in (service.port, service.health_port):
+        with create_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            wait_until(lambda s=stub: s.Check(request).status == not_serving, 10, "NOT_SERVING")

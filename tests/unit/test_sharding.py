@@ -12,8 +12,7 @@ from common.errors import FailedPrecondition
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.main import parse_config
-from server.state.params import ParamSpec, ShardMap, fragment_owners, map_id
-from server.state.store import state_identity
+from server.state.params import ParamSpec, ShardMap, fragment_owners, map_id, state_identity
 
 SPECS = [ParamSpec(f"blocks.{i}.w", (4 * (i + 1), 8), "float32") for i in range(4)]
 

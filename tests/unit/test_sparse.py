@@ -23,7 +23,7 @@ from server.config import StreamingConfig
 from server.rounds.ingest import CHUNK_VALUES
 from server.rounds.outer import NesterovOuter
 from server.state.fragment import FragmentState
-from server.state.store import state_identity
+from server.state.params import state_identity
 
 SPARSE = [pb.CODEC_SPARSE_2BIT]
 

@@ -1,0 +1,126 @@
+"""A state dir that cannot be written: the record of a round that fails to be written is cut
+off again and no version is made of it; the shard then takes no new versions, serves what
+it has, and a restart on the same dir (the disk back) loses nothing it served.
+
+Faults are injected in the process (an fsync that fails with EIO, a write that stops half
+way with ENOSPC, a snapshot that cannot be written) where the OS cannot make them on demand.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import grpc
+import pytest
+import torch
+
+import server.state.store as store_module
+from server.aggregator import Aggregator
+from server.config import aggregator_config
+from server.state.params import ParamSpec
+from server.state.store import StateDirFailed
+
+SPECS = [ParamSpec("blocks.0.w", (64, 33), "float32")]
+
+
+def start(state_dir, **config) -> tuple[Aggregator, str]:
+    settings = {"state_dir": str(state_dir), "snapshot_every_versions": 100, **config}
+    agg = Aggregator(aggregator_config(**settings))
+    return agg, agg.join("a", SPECS).session_id
+
+
+def push(agg: Aggregator, session: str, seed: int) -> int:
+    g = torch.Generator().manual_seed(seed)
+    return agg.push(session, 0, agg.version(0), [torch.randn(64, 33, generator=g) * 1e-2])
+
+
+def fails_once(monkeypatch, name: str, err: OSError, target=os) -> None:
+    """`target.name` raises `err` at its next call, then works as before."""
+    real, calls = getattr(target, name), []
+
+    def once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise err
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, once)
+
+
+def test_an_fsync_that_fails_makes_no_version_and_stops_new_ones(tmp_path, monkeypatch) -> None:
+    agg, session = start(tmp_path)
+    agg.initialize(session, 0, [torch.ones(64, 33)])
+    assert push(agg, session, 1) == 1
+    served = agg.params(0)
+    log_bytes = (tmp_path / "updates.log").stat().st_size
+    fails_once(monkeypatch, "fsync", OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(StateDirFailed, match="cannot append to .*updates.log: Input/output") as err:
+        push(agg, session, 2)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    # Nothing of the failed round: no version, no record (cut off again), the log as it was.
+    assert agg.version(0) == 1 and torch.equal(agg.params(0)[0], served[0])
+    assert (tmp_path / "updates.log").stat().st_size == log_bytes
+    assert "Input/output error" in agg.state_failure()
+    # No new versions from now on, refused before any payload; what was served still is.
+    with pytest.raises(StateDirFailed, match="takes no new versions"):
+        agg.check_push(session, 0, 1)
+    assert agg.pull(session, 0, -1).version == 1
+    agg.checkpoint()  # at shutdown: no snapshot of a failed dir
+    restarted, _ = start(tmp_path)
+    assert restarted.version(0) == 1 and torch.equal(restarted.params(0)[0], served[0])
+    assert (
+        restarted.state_failure() is None
+        and push(restarted, restarted.join("a", SPECS).session_id, 3) == 2
+    )
+
+
+def test_a_disk_that_fills_half_way_through_a_record_leaves_no_torn_record(
+    tmp_path, monkeypatch
+) -> None:
+    agg, session = start(tmp_path)
+    agg.initialize(session, 0, [torch.ones(64, 33)])
+    push(agg, session, 1)
+    served, log_bytes = agg.params(0), (tmp_path / "updates.log").stat().st_size
+    real = store_module._write_all
+
+    def half_then_full(f, data) -> None:
+        view = memoryview(data).cast("B")
+        if view.nbytes > 1000:  # the mean's bytes: half of them land, then the disk is full
+            real(f, view[: view.nbytes // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(f, data)
+
+    monkeypatch.setattr(store_module, "_write_all", half_then_full)
+    with pytest.raises(StateDirFailed, match="No space left on device"):
+        push(agg, session, 2)
+    assert (tmp_path / "updates.log").stat().st_size == log_bytes
+    monkeypatch.setattr(store_module, "_write_all", real)  # space is back
+    restarted, _ = start(tmp_path)
+    assert restarted.version(0) == 1 and torch.equal(restarted.params(0)[0], served[0])
+
+
+def test_a_snapshot_that_cannot_be_written_keeps_the_step_it_followed(
+    tmp_path, monkeypatch
+) -> None:
+    agg, session = start(tmp_path, snapshot_every_versions=2)
+    agg.initialize(session, 0, [torch.ones(64, 33)])
+    push(agg, session, 1)
+    fails_once(monkeypatch, "atomic_write", OSError(errno.ENOSPC, "No space left"), store_module)
+    assert push(agg, session, 2) == 2  # logged before the snapshot was due: it stands
+    assert agg.version(0) == 2 and "snapshot.pt: No space left" in agg.state_failure()
+    served = agg.params(0)
+    with pytest.raises(StateDirFailed):
+        push(agg, session, 3)
+    restarted, _ = start(tmp_path, snapshot_every_versions=2)  # old snapshot + the log
+    assert restarted.version(0) == 2 and torch.equal(restarted.params(0)[0], served[0])
+
+
+def test_initial_values_that_cannot_be_made_durable_are_not_taken(tmp_path, monkeypatch) -> None:
+    agg, session = start(tmp_path)
+    fails_once(monkeypatch, "atomic_write", OSError(errno.EIO, "Input/output error"), store_module)
+    with pytest.raises(StateDirFailed, match="snapshot.pt: Input/output error"):
+        agg.initialize(session, 0, [torch.ones(64, 33)])
+    assert agg.version(0) == -1  # another learner's offer is refused too, until a restart
+    with pytest.raises(StateDirFailed):
+        agg.initialize(session, 0, [torch.ones(64, 33)])
