@@ -221,6 +221,7 @@ class StreamingSync:
         # Tokens and steps of a push count from here (in the clock push_phase is given: schedule
         # steps, or inner steps): a (re)joining learner starts mid-schedule.
         self._last_push_step = [start_step] * len(replicas)
+        self._clock = start_step  # that clock at the last push_phase
 
     def local(self, replica: FragmentReplica) -> list[torch.Tensor]:
         return [self.params[i] for i in replica.indices]
@@ -232,6 +233,7 @@ class StreamingSync:
         than its own steps (dynamic local updates); a push then reports the real steps and
         tokens since the fragment's last push. Without it, schedule steps are inner steps.
         """
+        clock = self._clock = step if inner_step is None else inner_step
         due = self.schedule.pushes_at(step)
         away = self.away() if due else ()
         for p in due:
@@ -240,12 +242,11 @@ class StreamingSync:
                 # push carries the steps of both (and counts their tokens).
                 self.stats.skipped_pushes += 1
                 continue
-            clock = step if inner_step is None else inner_step
             if p in away:
                 # Its shard does not know the session now, or does not answer: nothing to
-                # push to. The next push claims only the steps after this one.
+                # push to. The local fragment keeps these steps' progress, so the next push's
+                # delta holds them and its claim counts them (unless a rejoin drops them).
                 self.stats.skipped_pushes += 1
-                self._last_push_step[p] = clock
                 continue
             replica = self.replicas[p]
             with torch.no_grad():
@@ -323,6 +324,8 @@ class StreamingSync:
         self.replicas[replica.fragment_id] = replica
         if not keep_local:
             self._take_global(replica)
+            # The steps the local fragment held are gone with it: claims count from here.
+            self._last_push_step[replica.fragment_id] = self._clock
 
     def load_globals(self, keep: Collection[int] = ()) -> None:
         """Set the local parameters to the global replicas exactly (at the end of a run),

@@ -190,9 +190,42 @@ def test_a_fragment_whose_shard_is_away_is_not_pushed_nor_waited_for() -> None:
     assert sync.stats.skipped_pushes == 2 and params[1].tolist() == [4.0, 4.0]
     sync.load_globals(keep={1})  # the end of a run with the shard still away
     assert params[0].tolist() == [2.0, 2.0] and params[1].tolist() == [4.0, 4.0]
-    away.clear()  # its shard joined again: the next push claims only the steps since
-    sync.push_phase(5)
-    assert transport.log[-1] == ("push", 1, 20)
+    away.clear()  # its shard joined again, the local fragment kept: the push's delta
+    sync.push_phase(5)  # holds all five steps, and so does its claim
+    assert transport.log[-1] == ("push", 1, 50)
+
+
+def test_a_rejoin_that_drops_the_local_fragment_claims_only_the_steps_after_it() -> None:
+    params = [torch.zeros(2)]
+    replica = FragmentReplica(0, [0], [(2,)])
+    replica.params, replica.version = [torch.zeros(2)], 0
+    transport = EchoTransport([replica])
+    away = {0}
+    sync = StreamingSync(
+        params,
+        [replica],
+        Schedule(2, 1, overlap_steps=1),
+        transport,
+        push_codec="fp32",
+        tokens_per_step=10,
+        away=lambda: away,
+    )
+    for step in range(1, 5):
+        with torch.no_grad():
+            params[0].add_(1.0)
+        sync.push_phase(step)
+        sync.merge_phase(step)
+    assert transport.log == [] and sync.stats.skipped_pushes == 2
+    moved = FragmentReplica(0, [0], [(2,)])  # the run moved on while it was away
+    moved.params, moved.version = [torch.full((2,), 9.0)], 3
+    sync.replace(moved, keep_local=False)
+    away.clear()
+    assert params[0].tolist() == [9.0, 9.0]
+    for step in (5, 6):
+        with torch.no_grad():
+            params[0].add_(1.0)
+        sync.push_phase(step)
+    assert transport.log == [("push", 0, 20)]  # steps 5 and 6 only, not the dropped four
 
 
 def test_a_learner_starting_mid_schedule_claims_only_its_own_steps() -> None:
