@@ -58,8 +58,11 @@ def _abort_on_domain_error(method):
             log.warning("%s rejected: %s", method.__name__, str(err))
             if method.__name__ == "PushFragment":
                 self.count_push(err.code.name.lower())
-                if isinstance(err, BudgetExhausted):
-                    context.set_trailing_metadata(((RETRY_AFTER_HEADER, str(PUSH_RETRY_AFTER_MS)),))
+            call = current_call()
+            if call is not None:
+                call.abort_if_ended()  # asked to end (a revoked token): that is the status
+            if method.__name__ == "PushFragment" and isinstance(err, BudgetExhausted):
+                context.set_trailing_metadata(((RETRY_AFTER_HEADER, str(PUSH_RETRY_AFTER_MS)),))
             context.abort(err.code, str(err))
 
     return wrapper
@@ -170,7 +173,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # The announced size is reserved before a byte is buffered, and the payload received
         # before an ingest slot is taken: a learner on a slow link (or one that trickles on
         # purpose) must not hold up the others' pushes while its bytes arrive.
-        gone = lambda: not context.is_active()  # noqa: E731
+        call = current_call()
+        gone = lambda: not context.is_active() or (call is not None and call.reason is not None)  # noqa: E731
         self.push_budget.fit(agg.owned_shapes)  # the model is known once a push is checked
         with self.push_budget.reserve(header.payload_bytes, gone, initial=initial) as buffer:
             payload = receive_into(buffer, pieces)

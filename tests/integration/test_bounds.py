@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -306,3 +307,37 @@ def test_revoking_a_token_ends_its_open_calls(
         wait_until(lambda: metric(server, WAITING) == 1, 10, "b's long-poll alone")
         assert b_poll.is_active()
         b_poll.cancel()
+
+
+def test_a_revoked_push_waiting_for_push_memory_ends_unauthenticated(
+    tmp_path: Path, start_server_process, release
+) -> None:
+    """b's silent push holds the whole push memory budget (8 bytes); a's push waits for room
+    (up to 30 s) when a's token is revoked: it ends with UNAUTHENTICATED, not as a push
+    refused for memory nor cancelled."""
+    path = tmp_path / "tokens.txt"
+    tokens = {learner: add_token(str(path), learner) for learner in ("a", "b")}
+    flags = ("--auth-token-file", str(path), "--push-budget-wait-s", "30")
+    server = start_server_process(*flags, "--push-memory-budget-mb", str(8 / 2**20))
+    with create_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.AggregatorStub(channel)
+        creds = {
+            learner: ((LEARNER_ID_HEADER, learner), ("authorization", f"Bearer {token}"))
+            for learner, token in tokens.items()
+        }
+        a = joined_session(stub, "a", initialize=True, metadata=creds["a"])
+        b = joined_session(stub, "b", metadata=creds["b"])
+        b_push = stub.PushFragment.future(silent_push(b, release), metadata=creds["b"])
+        wait_until(
+            lambda: metric(server, "diloco_server_push_memory_reserved_bytes") == 8, 20, "b holds"
+        )
+        a_push = stub.PushFragment.future(silent_push(a, release), metadata=creds["a"])
+        time.sleep(1)  # a's push is most likely waiting for room now; the outcome is the same
+        kept = [line for line in path.read_text().splitlines() if not line.startswith("a ")]
+        path.write_text("\n".join(kept) + "\n")
+        server.signal(signal.SIGHUP)
+        err = a_push.exception(timeout=20)
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+        assert "revoked" in err.details()
+        assert b_push.running()
+        b_push.cancel()
