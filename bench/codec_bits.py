@@ -3,10 +3,10 @@
     python -m bench.codec_bits                       # bench/quality.py's model, k = 64 of 4096
     python -m bench.codec_bits --topk-fraction 0.01  # another kept fraction
 
-Push: one learner's serialized pseudo-gradient of the whole model (common/wire.py's
+Push: one learner's serialized pseudo-gradient of the whole model (common/codec/fragment.py's
 encode_fragment; sparse codecs with their error feedback, as StreamingSync sends them).
 Pull: one logged outer update of the whole model as a learner at the previous version
-receives it (the FragmentUpdates chain of one version, server/fragment.py's log), after a
+receives it (the FragmentUpdates chain of one version, server/state/fragment.py's log), after a
 few rounds so the server's residual is warm. Both count every byte of the message: values,
 indices, scales, checksums and protobuf framing, divided by the model's parameter count.
 Random pseudo-gradients suffice here: the sizes depend on the shapes and k, not the values.

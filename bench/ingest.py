@@ -4,7 +4,7 @@
     python bench/ingest.py --quick    # 4 M values, ~20 s
 
 Both sides run one server process on loopback and the same client: `--streams` threads that
-each send one stream after another, in chunks of common.wire.CHUNK_BYTES, every message
+each send one stream after another, in chunks of common.codec.fragment.CHUNK_BYTES, every message
 serialized before the clock starts, so the client (which shares this machine's CPUs with the
 server) does the same work per byte on both sides.
 (a) grpc: a minimal servicer built by common.rpc.create_server (same options and thread pool)
@@ -206,9 +206,9 @@ def _median_ms(run: Callable[[], object], repeats: int = 5) -> float:
 def server_paths(shapes: list[tuple[int, ...]], payload: bytes) -> dict:
     """Three of the server's ingest paths against what they replace, in this process, per
     push: adding DEFERRED_PUSHES + 1 fp4 pushes to a round's sum in one pass vs one add each
-    (server/ingest.py add_in_turn); that pass with the widest instruction set this CPU has
+    (server/rounds/ingest.py add_in_turn); that pass with the widest instruction set this CPU has
     vs with AVX2 at most (common/fp4_accumulate.c); and reading a push's chunks as views vs
-    protobuf's parse and field read (server/push_wire.py)."""
+    protobuf's parse and field read (common/codec/framing.py)."""
     from common.codec import native
     from common.codec.framing import parse_push_request
     from server.rounds.ingest import IngestSlot, add_in_turn

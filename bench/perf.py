@@ -20,7 +20,7 @@ Figures (each with its target), written to bench/results/perf.json and plotted:
   load.server_rss_vs_model the single 4 MiB run's peak above idle in model sizes (mostly
   that per-learner part at this size).
 Printed beside them, without a target: sparse_encode_vs_memcpy, the top-k sparse encoder
-(sparse_2bit, 64 of every 4096, common/sparse.py) on a 64 MiB float32 tensor, one thread,
+(sparse_2bit, 64 of every 4096, common/codec/sparse.py) on a 64 MiB float32 tensor, one thread,
 as a fraction of clone() of the same tensor, and its decode likewise (sparse_decode_vs_memcpy).
 With a CUDA GPU, the codec and a training step on it (bench/cuda_check.py) are added.
 """

@@ -2,7 +2,7 @@
 
 Every DiLoCo row is Streaming DiLoCo with the daemons' best recipe (P = 4 strided fragments,
 τ = 1, merge α = 0.05, the outer Nesterov at lr 0.7 and momentum 0.9 warmed up from 0.5 over
-20 rounds; sparse codecs: server/outer_config.py's SPARSE_OUTER step instead, pulls that keep
+20 rounds; sparse codecs: server/config.py's SPARSE_OUTER step instead, pulls that keep
 twice the push's top-k fraction unless a row sets its own, and the learners' decayed
 error-feedback residual, apart from their local models unless a row keeps it there); rows
 differ only in the codec both ways, its top-k fractions (sparse codecs), H, the inner
@@ -28,7 +28,7 @@ from common.codec.sparse import DEFAULT_FEEDBACK_IN_MODEL, SPARSE_CHUNK, topk_k
 from common.codec.tensor import is_sparse
 from server.config import SPARSE_OUTER, SPARSE_PULL_TOPK_FRACTION
 
-# The wire codec names the rows use, and the common/codec.py codecs they send each way.
+# The wire codec names the rows use, and the common/codec/ codecs they send each way.
 WIRE = {
     "fp32": "fp32",
     "fp4": "fp4_e2m1",
@@ -110,7 +110,7 @@ class Row:
         )
         if is_sparse(WIRE[self.codec]):
             # The daemons' defaults for sparse codecs: the outer step and, unless the row
-            # sets one, a pull that keeps twice the push's fraction (server/outer_config.py: 1/32
+            # sets one, a pull that keeps twice the push's fraction (server/config.py: 1/32
             # for 1/64); Variant's residual decay is the learner's default already.
             pull = self.pull_topk
             if pull is None:

@@ -1,7 +1,7 @@
 """Train K learners in one process against the real aggregator, or one data-parallel model.
 
 The learners run the project's own code: learner/streaming.py's schedule and merge
-(StreamingSync), common/codec.py on every payload, and server/aggregator.py's rounds, outer
+(StreamingSync), common/codec/ on every payload, and server/aggregator.py's rounds, outer
 Nesterov step, error feedback and update log. Only the network is replaced: an in-process
 transport hands each payload to the Aggregator as the gRPC servicer would (check the header,
 decode, push; pull what the learner's version needs). Lockstep: all K learners take inner

@@ -26,7 +26,7 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXC
 
 
 def retry_after_s(err: grpc.RpcError) -> float | None:
-    """The wait a rate-limited refusal asks for (server/ratelimit.py), or None."""
+    """The wait a rate-limited refusal asks for (server/rpc/limits.py), or None."""
     if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return None
     trailing = getattr(err, "trailing_metadata", lambda: None)() or ()

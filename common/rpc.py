@@ -15,10 +15,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.codec.fragment import CHUNK_BYTES
 
 SERVICE_NAME = "diloco.v1.Aggregator"
-# Metadata key naming the learner a call's token belongs to (server/auth.py).
+# Metadata key naming the learner a call's token belongs to (server/rpc/auth.py).
 LEARNER_ID_HEADER = "x-diloco-learner-id"
 # Trailing metadata of a refusal that is worth retrying after this many milliseconds (a rate
-# limit, server/ratelimit.py); common/retry.py honours it.
+# limit, server/rpc/limits.py); common/retry.py honours it.
 RETRY_AFTER_HEADER = "x-diloco-retry-after-ms"
 # Chunks are 1 MiB; leave room for headers and a few chunks batched by the transport.
 MAX_MESSAGE_BYTES = 4 * CHUNK_BYTES + (64 << 10)

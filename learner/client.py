@@ -29,7 +29,7 @@ class AggregatorClient:
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         """`credentials`: TLS (common/tls.py); None connects in plaintext. `metadata` goes
-        with every call (the learner's token, server/auth.py)."""
+        with every call (the learner's token, server/rpc/auth.py)."""
         self.target = target
         self._metadata = metadata
         self._channel = create_channel(target, credentials)

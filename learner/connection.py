@@ -3,7 +3,7 @@
     client = connect(config.connection)    # a ShardedClient; nothing is sent yet
 
 Every call carries the learner id (the server's rate limits are per learner,
-server/ratelimit.py) and, with an auth_token_file, the learner's token (server/auth.py).
+server/rpc/limits.py) and, with an auth_token_file, the learner's token (server/rpc/auth.py).
 A token file that cannot be read ends in one ValueError naming it.
 """
 

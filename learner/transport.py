@@ -171,7 +171,7 @@ class GrpcTransport:
                 raise
             # Stale (the round closed without us) or refused by the server's norm guard: this
             # update is lost; take the current state without waiting for a new version, which
-            # a round whose every push was refused never produces (server/rounds.py).
+            # a round whose every push was refused never produces (server/rounds/policy.py).
             self.stale_pushes += 1
             log.warning("fragment=%d push rejected: %s", fragment_id, err.details())
             target = base_version

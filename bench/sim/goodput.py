@@ -15,7 +15,7 @@ restart; a second failure while it is down extends it).
 - Quorum (Decoupled DiLoCo): `learners` independent learners. The real
   `server.aggregator.Aggregator` in `quorum` mode runs on the virtual clock and decides
   when each fragment round closes (min quorum, grace window from
-  `server.policy.grace_window_s`, leases, token weights, staleness discount and refusal);
+  `server.rounds.policy.grace_window_s`, leases, token weights, staleness discount and refusal);
   each learner follows `learner.streaming.Schedule` (pushes at offsets p·H/P, skips a
   fragment whose last sync is still out, never waits for a merge) and rejoins at
   `Schedule.resume_step`. Pushes and pulls cross each learner's link (bandwidth, latency);

@@ -7,7 +7,7 @@
     simulate_shards(scenario, method, tier).utilisation
     shards_needed(scenario, method, tier, target=0.95)      # least N, math.inf if none
 
-Each fragment is owned by one shard, by the servers' own rule (`server.sharding`: balanced
+Each fragment is owned by one shard, by the servers' own rule (`server.state.params`: balanced
 by fp32 bytes); every one of the K learners (`scenario.replicas`)
 pushes the fragment's outer gradient to that shard and pulls the new value back from it.
 Per shard, three FIFO servers in a row (each an `engine.Link`):

@@ -51,7 +51,7 @@ class Method:
     overlap_steps: int = 0
     """τ: inner steps the sync may take before its result is needed."""
     codec: str = "bf16"
-    """Codec of the gradients or outer gradients on the wire (common/codec.py)."""
+    """Codec of the gradients or outer gradients on the wire (common/codec/)."""
     layout: str = "strided"
 
     def schedule(self) -> Schedule:

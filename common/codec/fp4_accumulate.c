@@ -1,6 +1,6 @@
 /* Server ingest, second pass: weight * value added to a round's float32 sum straight from a
  * push's wire encoding (common/codec/native.py loads it), under the aggregator's lock or after it
- * for pushes added together (server/round_adds.py); one pass over the packed codes, with no
+ * for pushes added together (server/rounds/round.py); one pass over the packed codes, with no
  * float32 copy of the push.
  */
 #include "fp4_blocks.h"

@@ -1,5 +1,5 @@
 /* Server ingest, first pass: a push's sum of squares and largest magnitude straight from its
- * wire encoding (common/codec/native.py loads it). server/ingest.py checks a push (finite
+ * wire encoding (common/codec/native.py loads it). server/rounds/ingest.py checks a push (finite
  * values, norm, largest magnitude) with this before it takes the aggregator's lock; one pass
  * over the packed codes, with no float32 copy of the push.
  */

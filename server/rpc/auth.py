@@ -60,7 +60,7 @@ class NetworkConfig:
     tls_client_id_from_cert: bool = False
     """With tls_client_ca: a learner may act only as the learner id its client certificate's
     Common Name gives (deploy/make_certs.sh writes it), so one certificate is one learner's
-    share of influence (server/cert_identity.py)."""
+    share of influence."""
     insecure: bool = False
     """Serve in plaintext, without TLS: only on a trusted network (logs a warning)."""
     auth_token_file: str = ""

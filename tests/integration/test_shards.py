@@ -89,7 +89,7 @@ def test_three_shards_two_learners_kill_9_of_one_shard(tmp_path) -> None:
     try:
         for name in ("a", "b"):
             learners[name] = learner_process(tmp_path, ports[0], name, *learner_flags(name))
-        # P = N: each shard owns one fragment (the greedy rule, server/sharding.py).
+        # P = N: each shard owns one fragment (the greedy rule, server/state/params.py).
         wait_until(
             lambda: all(len(shard_fragments(p)) == 1 for p in ports), WAIT_S, "every shard owns"
         )

@@ -1,4 +1,4 @@
-"""common/fragment_wire.py: the writer's bytes are protobuf's own and pinned; the parser checks
+"""common/codec/framing.py: the writer's bytes are protobuf's own and pinned; the parser checks
 framing, headers, lengths, checksums and scales without decoding the values."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_fragment_bytes_are_pinned_and_protobufs_own(codec: str) -> None:
     tensors = pinned_tensors()
     data = encode_fragment(tensors, codec)
     assert (len(data), zlib.crc32(data)) == PINNED[codec]
-    if CODECS[codec] in SPARSE_CODECS:  # encoded whole fragments only (common/sparse.py)
+    if CODECS[codec] in SPARSE_CODECS:  # encoded whole fragments only (common/codec/sparse.py)
         msg = pb.EncodedFragment.FromString(data)
         assert msg.SerializeToString() == data
         for t in msg.tensors:

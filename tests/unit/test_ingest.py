@@ -1,6 +1,6 @@
-"""server/ingest.py: a push added from its wire encoding equals the decoded path bit for bit,
+"""server/rounds/ingest.py: a push added from its wire encoding equals the decoded path bit for bit,
 and is refused for exactly the inputs (and with the words) that decode and decode_fragment
-refuse: all three read it through one parser (common/fragment_wire.py)."""
+refuse: all three read it through one parser (common/codec/framing.py)."""
 
 import threading
 import zlib

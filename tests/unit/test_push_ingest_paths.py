@@ -98,7 +98,7 @@ def _run_round(
     shapes, pushes: list[bytes], budget: PushBudget | None, add_later: bool = False
 ) -> FragmentState:
     """One round of `pushes`; with `add_later`, as the aggregator adds them: a push whose add
-    was queued runs the queue after its call (server/round_adds.py), its buffer still held."""
+    was queued runs the queue after its call (server/rounds/round.py), its buffer still held."""
     fragment = FragmentState(0, [0, 1], shapes, NesterovOuter(), "fp32", 16)
     fragment.initialize([torch.zeros(s) for s in shapes])
     slot = IngestSlot()

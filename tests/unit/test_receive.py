@@ -1,4 +1,4 @@
-"""server/receive.py: the push memory budget, its reused buffers, and chunks read in place."""
+"""server/rpc/receive.py: the push memory budget, its reused buffers, and chunks read in place."""
 
 from __future__ import annotations
 

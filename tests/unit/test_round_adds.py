@@ -1,4 +1,4 @@
-"""A round's queued adds (server/round_adds.py): first in, first added, whoever runs them; a
+"""A round's queued adds (server/rounds/round.py): first in, first added, whoever runs them; a
 failure reaches its own push; the aggregator counts pushes while an add runs."""
 
 from __future__ import annotations

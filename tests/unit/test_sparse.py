@@ -1,4 +1,4 @@
-"""The top-k sparse codecs (common/sparse.py, common/sparse_wire.py): what they keep, their
+"""The top-k sparse codecs (common/codec/sparse.py): what they keep, their
 size, error feedback on both sides, chunked encoding, and the refusal of hostile payloads."""
 
 import math
