@@ -39,8 +39,13 @@ from common.atomic import atomic_write
 from common.metrics_http import check_listen
 from common.rpc import LEARNER_ID_HEADER
 from common.tls import server_credentials
-from server.rpc.calls import HEALTH_METHOD_PREFIX, Call, current_call
-from server.rpc.handlers import around_calls, replace_behavior
+from server.rpc.calls import (
+    HEALTH_METHOD_PREFIX,
+    Call,
+    around_calls,
+    current_call,
+    replace_behavior,
+)
 
 
 @dataclass(kw_only=True)

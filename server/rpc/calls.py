@@ -1,28 +1,20 @@
-"""Calls that another thread may end, and the deadlines of streaming calls.
+"""Calls that another thread may end, streaming calls' deadlines, handlers rewrapped.
 
     interceptors = (EndableCalls(), auth, ..., StreamDeadlines(30, 128 << 10))  # in this order
     call = current_call()                       # in a handler: this call's Call
     call.end(grpc.StatusCode.UNAUTHENTICATED, "token revoked")   # from any thread
     deadlines.sweep()                           # often (the service's tick): ends overdue streams
 
-A handler blocked on its peer (waiting for a push's next chunk, or for gRPC to send a pull's
-next message to a reader that stopped reading) cannot end itself; the token reload and the
-stream deadlines end it from another thread, with gRPC's public API only:
-- a request stream is read on a thread of its own (EndableCalls), so the handler waits on a
-  queue that `end` wakes, and ends the call itself with `context.abort(code, details)`;
-- a handler waiting on the server (a long-poll) registers a waker (`Call.on_end`) and ends
-  the call the same way once woken;
-- a send that never completes (a reader that stopped reading) leaves no thread of ours to
-  wake: after END_GRACE_S, `context.cancel()` ends the call and the peer sees CANCELLED
-  (gRPC's public API ends a call from outside with no other status). The reason is logged
-  and counted either way.
+A handler blocked on its peer cannot end itself, so `end` works with gRPC's public API only:
+a request stream is read on a thread of its own (EndableCalls) and the handler waits on a
+queue that `end` wakes; a long-poll registers a waker (`Call.on_end`); either then aborts the
+call with the status asked for. A send that never completes (a reader that stopped reading)
+leaves no thread of ours to wake: after END_GRACE_S `context.cancel()` ends it (CANCELLED).
 
-StreamDeadlines watches the time a streaming call waits on its peer (a request stream between
-messages, a response stream while a message is being sent); a stream whose header announces
-a payload must end within idle_timeout_s + payload_bytes / min_bytes_per_s of it, so that a
-sender that trickles a few bytes now and then still ends. Not watched: the server's own work
-(decoding a push; a long-poll's wait), unary calls and health checks. Cuts are counted by
-reason: "idle" or "slow".
+StreamDeadlines watches the time a streaming call waits on its peer (between request
+messages, or while a response message is sent); a stream whose header announces a payload
+must also end within idle_timeout_s + payload_bytes / min_bytes_per_s, so a trickle ends.
+Not watched: the server's own work, unary calls, health checks. Cuts count by reason.
 """
 
 from __future__ import annotations
@@ -40,7 +32,6 @@ from dataclasses import dataclass
 import grpc
 
 from common.rpc import LEARNER_ID_HEADER
-from server.rpc.handlers import behavior_from, replace_behavior
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +129,7 @@ class EndableCalls(grpc.ServerInterceptor):
                     with contextlib.suppress(ValueError):  # a stream closed from elsewhere
                         _current.reset(token)
 
-            return behavior_from(run, handler.response_streaming)
+            return _behavior(run, handler.response_streaming)
 
         return replace_behavior(handler, wrap)
 
@@ -295,7 +286,7 @@ class StreamDeadlines(grpc.ServerInterceptor):
                 finally:
                     self._forget(watch)
 
-            return behavior_from(streaming, handler.response_streaming)
+            return _behavior(streaming, handler.response_streaming)
 
         return replace_behavior(handler, wrap)
 
@@ -350,3 +341,60 @@ class StreamDeadlines(grpc.ServerInterceptor):
             watch.waiting_since = self._clock()
             yield response
             watch.waiting_since = None
+
+
+def around_calls(handler: grpc.RpcMethodHandler, enter: Callable) -> grpc.RpcMethodHandler:
+    """The same handler with `enter(context)` run as each call starts and the function it
+    returns run as the call ends (a streamed answer's end included)."""
+
+    def wrap(behavior):
+        if handler.response_streaming:
+
+            def streaming(request, context):
+                leave = enter(context)
+                try:
+                    yield from behavior(request, context)
+                finally:
+                    leave()
+
+            return streaming
+
+        def unary(request_or_iterator, context):
+            leave = enter(context)
+            try:
+                return behavior(request_or_iterator, context)
+            finally:
+                leave()
+
+        return unary
+
+    return replace_behavior(handler, wrap)
+
+
+def replace_behavior(handler: grpc.RpcMethodHandler, wrap) -> grpc.RpcMethodHandler:
+    """The same handler with its behavior function replaced by wrap(behavior)."""
+    kinds = {
+        (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    }
+    attr, make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(
+        wrap(getattr(handler, attr)),
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _behavior(run: Callable, response_streaming: bool) -> Callable:
+    """`run` (a generator function) as a behavior: itself, or for a unary answer its value."""
+
+    def unary(request_or_iterator, context):
+        try:
+            next(run(request_or_iterator, context))
+        except StopIteration as done:
+            return done.value
+        raise RuntimeError("a unary answer yielded a message")
+
+    return run if response_streaming else unary

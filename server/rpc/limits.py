@@ -35,8 +35,12 @@ from dataclasses import dataclass
 import grpc
 
 from common.rpc import LEARNER_ID_HEADER, RETRY_AFTER_HEADER
-from server.rpc.calls import HEALTH_METHOD_PREFIX, authenticated_learner
-from server.rpc.handlers import around_calls, replace_behavior
+from server.rpc.calls import (
+    HEALTH_METHOD_PREFIX,
+    around_calls,
+    authenticated_learner,
+    replace_behavior,
+)
 
 MAX_TRACKED_CALLERS = 10_000
 # A refused caller is told to retry after this long: open calls end within seconds, except
