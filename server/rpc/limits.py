@@ -188,7 +188,7 @@ class InFlightLimit(grpc.ServerInterceptor):
 @dataclass(kw_only=True)
 class LimitsConfig:
     """Per-learner call rate and concurrency limits, worker threads and deadlines for
-    streams (server/rpc/limits.py, server/rpc/calls.py)."""
+    streams (server/rpc/limits.py, server/rpc/deadlines.py)."""
 
     rate_limit_calls_per_s: float = 100.0
     """Each learner may make this many calls per second on average (0: no limit); a
@@ -219,7 +219,7 @@ class LimitsConfig:
     client queues calls beyond it until one ends; a learner needs a handful."""
     stream_idle_timeout_s: float = 30.0
     """End a streaming call whose peer makes no progress for this long: a push with no next
-    chunk, a pull whose reader stopped reading (server/rpc/calls.py); 0: off."""
+    chunk, a pull whose reader stopped reading (server/rpc/deadlines.py); 0: off."""
     stream_min_bytes_per_s: float = 131072.0
     """A push or pull must end within stream_idle_timeout_s + its payload bytes / this rate
     (128 KiB/s: a 1 Mbit/s link); 0: no bound on the whole stream."""

@@ -26,7 +26,7 @@ from server.rounds.admission import staleness_discount
 
 if TYPE_CHECKING:  # the servicer counts into this module's counters
     from server.rpc.auth import TokenAuth
-    from server.rpc.calls import StreamDeadlines
+    from server.rpc.deadlines import StreamDeadlines
     from server.rpc.limits import InFlightLimit, RateLimit
     from server.rpc.servicer import AggregatorServicer
 

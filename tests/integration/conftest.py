@@ -11,7 +11,7 @@ import pytest
 from common.config import build_config
 from deploy.launcher import Daemon
 from server.config import ServerConfig
-from server.rpc.service import AggregatorService
+from server.main import AggregatorService
 from tests.support.processes import learner_process, server_process
 
 

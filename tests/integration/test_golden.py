@@ -31,8 +31,8 @@ from learner.model import GPT
 from learner.progress import Progress
 from learner.trainer import Learner
 from server.aggregator import Aggregator
+from server.main import AggregatorService
 from server.main import parse_config as server_config
-from server.rpc.service import AggregatorService
 from server.state.params import ParamSpec
 from tests.support.fakes import FakeClock
 from tests.support.reference import reference_diloco

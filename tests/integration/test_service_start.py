@@ -13,7 +13,7 @@ import pytest
 from common.config import build_config
 from common.rpc import create_health_server, create_server
 from server.config import ServerConfig
-from server.rpc.service import AggregatorService
+from server.main import AggregatorService
 from tests.support.processes import REPO
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import wait_until
-from server.rpc.calls import EndableCalls, StreamDeadlines
+from server.rpc.calls import EndableCalls
+from server.rpc.deadlines import StreamDeadlines
 from tests.support.fakes import FakeClock, FakeServicerContext
 
 PUSH = "/diloco.v1.Aggregator/PushFragment"

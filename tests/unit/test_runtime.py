@@ -1,4 +1,4 @@
-"""server/rpc/service.py: the arena cap and heap trimmer run on glibc, and are skipped (with a
+"""server/main.py: the arena cap and heap trimmer run on glibc, and are skipped (with a
 reason) elsewhere."""
 
 import logging
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from server.rpc import service as runtime
+from server import main as runtime
 
 
 def test_arena_cap_is_set_on_glibc_only(monkeypatch, caplog) -> None:

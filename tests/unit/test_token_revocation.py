@@ -3,6 +3,7 @@ only those."""
 
 from __future__ import annotations
 
+import contextvars
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +28,10 @@ def open_call(auth: TokenAuth, learner_id: str, token: str) -> FakeServicerConte
     context = FakeServicerContext()
     chain = lambda d: auth.intercept_service(lambda _: handler, d)  # noqa: E731
     answer = EndableCalls().intercept_service(chain, details).unary_stream(None, context)
-    assert next(answer) == b"head"  # open: the generator waits for its next message
+    # Each call runs in a context of its own, as on gRPC's threads: the current call is set
+    # in it, not in the test's.
+    context.own_context = contextvars.Context()
+    assert context.own_context.run(next, answer) == b"head"  # open, between its two messages
     context.answer = answer
     return context
 
@@ -35,7 +39,7 @@ def open_call(auth: TokenAuth, learner_id: str, token: str) -> FakeServicerConte
 def rest(context: FakeServicerContext) -> list[bytes]:
     """The call's remaining messages (it ends itself at its next one if asked to)."""
     try:
-        return list(context.answer)
+        return context.own_context.run(list, context.answer)
     except RuntimeError:  # the fake context's abort
         return []
 
