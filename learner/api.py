@@ -197,7 +197,8 @@ class DilocoSync:
 
     @property
     def stats(self) -> SyncStats | None:
-        """Counters of the fragment syncs since the last join; None before the first."""
+        """Counters of the fragment syncs since the last join (blocked_s: of the whole run,
+        a resumed one's included); None before the first."""
         sync = self.session.sync
         return sync.stats if sync else None
 
@@ -223,19 +224,26 @@ class DilocoSync:
 
     def state_dict(self) -> dict[str, Any]:
         """What to save beside your model and optimizer to resume after a crash: the step
-        counts and the global fragments held (a resumed learner pulls only what changed)."""
+        counts, the timing counters (so that step times and compute seconds go on as if
+        there had been no restart) and the global fragments held (a resumed learner pulls
+        only what changed)."""
+        p = self.progress
         return {
-            "inner_steps": self.progress.inner_steps,
-            "outer_steps": self.progress.outer_steps,
-            "tokens": self.progress.tokens,
+            "inner_steps": p.inner_steps,
+            "outer_steps": p.outer_steps,
+            "tokens": p.tokens,
+            **p.timing_state(),
             "fragments": replicas_to_state(self.session.saved_replicas()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from state_dict()'s output; call before open(), after loading your model."""
+        """Resume from state_dict()'s output; call before open(), after loading your model.
+        A state without the timing counters still loads: they start again from zero here
+        (Progress.resume_timing)."""
         if self._open:
             raise RuntimeError("load_state_dict() must come before open()")
         for name in ("inner_steps", "outer_steps", "tokens"):
             setattr(self.progress, name, int(state[name]))
+        self.progress.resume_timing(state)
         self.progress.resumed_at_inner_step = self.progress.inner_steps
         self.session.resume = replicas_from_state(state["fragments"])

@@ -4,8 +4,9 @@
     state = load_checkpoint(Path("ckpt"))     # None if there is none yet
 
 What it holds (self-describing, as nanoGPT's checkpoints are): the local model parameters,
-the inner optimizer's state, the data position, the schedule step and progress counters, the
-global fragments the learner holds with their versions, and an echo of the config. A
+the inner optimizer's state, the data position, the schedule step and progress counters (the
+timing ones included, so that utilisation and step times go on across a resume), the global
+fragments the learner holds with their versions, and an echo of the config. A
 restarted learner loads it, joins, and pulls only the updates since the saved versions
 (learner/session.py); a fragment the run has not moved meanwhile keeps the local parameters,
 so no inner step since the last push is lost. Steps taken after the last checkpoint are.
@@ -31,7 +32,7 @@ import torch
 
 from common.atomic import atomic_write
 from common.config import flat_values
-from learner.progress import SavedReplica
+from learner.progress import TIMING_FIELDS, SavedReplica
 
 if TYPE_CHECKING:
     from learner.trainer import Learner
@@ -39,8 +40,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("diloco.learner")
 
 CHECKPOINT_NAME = "checkpoint.pt"
+# Changes only where a reader of one format would misread the other. The timing counters
+# other than compute_s are optional fields: a reader that does not know them ignores them,
+# and a checkpoint without them loads with its timing started again (Progress.resume_timing).
 FORMAT_VERSION = 1
-PROGRESS_FIELDS = ("inner_steps", "outer_steps", "tokens", "compute_s", "eval_losses")
+COUNT_FIELDS = ("inner_steps", "outer_steps", "tokens", "eval_losses")
+PROGRESS_FIELDS = COUNT_FIELDS + TIMING_FIELDS
 
 
 def save_checkpoint(directory: Path, state: dict[str, Any]) -> Path:
@@ -69,7 +74,9 @@ def load_checkpoint(directory: Path) -> dict[str, Any] | None:
     except Exception as err:  # a checkpoint from something else: say so in one sentence
         raise ValueError(f"checkpoint {path} cannot be read ({err.__class__.__name__})") from err
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint {path} is not a learner checkpoint of format 1")
+        raise ValueError(
+            f"checkpoint {path} is not a learner checkpoint of format {FORMAT_VERSION}"
+        )
     return state
 
 
@@ -181,15 +188,15 @@ class JobCheckpoint:
             return
         job.batches.load_state_dict(shared["data"])
         job.optimizer.load_state_dict(shared["optimizer"])
-        for name in PROGRESS_FIELDS:
-            setattr(job.progress, name, shared["progress"][name])
+        saved = shared["progress"]
+        for name in COUNT_FIELDS:
+            setattr(job.progress, name, saved[name])
+        job.progress.resume_timing(saved)
         job.progress.resumed_at_inner_step = job.progress.inner_steps
         if state is not None and job.sync is not None:
             job.model.load_state_dict(state["model"])
-            job.sync.load_state_dict(
-                {k: getattr(job.progress, k) for k in ("inner_steps", "outer_steps", "tokens")}
-                | {"fragments": state["fragments"]}
-            )
+            # Rank 0's progress is the sync's: the same counts, and the same timing.
+            job.sync.load_state_dict(saved | {"fragments": state["fragments"]})
             log.info(
                 "learner=%s resuming from checkpoint step=%d data_position=%d versions=%s",
                 job.progress.learner_id,

@@ -70,7 +70,7 @@ class Pacer:
         how many times slower this learner is than the live learners' median, at most H."""
         if not self.config.dynamic_local_updates or self.blocking:
             return 1
-        mine = progress.compute_s / max(1, progress.inner_steps)
+        mine = progress.step_time_s()
         if self.median_step_time_s <= 0 or mine <= 0:
             return 1
         return max(1, min(self.config.sync_every_steps, round(mine / self.median_step_time_s)))
@@ -147,7 +147,7 @@ class Heartbeat:
             step=p.inner_steps,
             tokens=p.tokens,
             loss=p.last_loss,
-            step_time_s=p.compute_s / max(1, p.inner_steps),
+            step_time_s=p.step_time_s(),
             schedule_step=self.schedule_step(),
         )
         try:

@@ -14,7 +14,7 @@ fragments. The rejoined shard's fragments are loaded as at a join (learner/repli
 updates since the replica's version are pulled, and if the shard has not moved a fragment
 since, the learner keeps its local parameters for it (its progress since the last merge);
 otherwise they become the global ones, and a shard that lost versions (it is behind the
-replica) gives its own state, logged once per fragment. A shard still away is tried again
+replica) gives its own state, in one log line per rejoin. A shard still away is tried again
 with backoff, each try logged, the other lost ones meanwhile. A shard that did not answer
 the learner's first join is lost the same way. While a shard is lost its fragments' pushes
 are skipped (StreamingSync `away`), so that nothing, in sync mode too, waits for them.

@@ -15,8 +15,9 @@ version -1, and the learner keeps its local parameters for it until that shard i
 (learner/rejoin.py), which loads the fragment as above. A shard's rejoin after a restart
 (learner/rejoin.py) loads its fragments here too, the replicas the learner holds standing
 for `resume`: where the shard lost versions (it is behind the replica) or holds another
-history, the fragment takes the shard's state, logged in one line. Nothing here retries: a
-shard gone again fails the load, and the rejoin backs off and tries later.
+history, the fragment takes the shard's state and drops its local progress, one log line
+per load naming each such fragment and why. Nothing here retries: a shard gone again fails
+the load, and the rejoin backs off and tries later.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class ReplicaLoader:
         parameters are still current and must be kept); the fragments in `away` are
         neither offered nor pulled (their shard did not answer the join)."""
         saved = {(r.fragment_id, tuple(r.indices)): r for r in resume or []}
-        replicas, kept = [], set()
+        replicas, kept, resynced = [], set(), []
         for f in fragments:
             replica = FragmentReplica(
                 f.fragment_id,
@@ -76,12 +77,21 @@ class ReplicaLoader:
                 continue
             if f.version < 0:
                 self._offer_initial_params(session_id, replica)
-            if mine is not None and self._pull_since(replica, mine):
+            why = None if mine is None else self._not_continued(replica, mine)
+            if why is not None:
+                resynced.append(why)
+            if mine is not None and why is None:
                 if replica.version == mine.version:
                     kept.add(f.fragment_id)  # nobody moved it: keep the local progress
             else:
                 replica.apply(self.transport.pull(replica.fragment_id, -1, 0, retry=False))
             replicas.append(replica)
+        if resynced:
+            log.warning(
+                "learner=%s resyncing to the server's state, local progress dropped: %s",
+                self.learner_id,
+                "; ".join(resynced),
+            )
         return replicas, kept
 
     def _stand_in(self, replica: FragmentReplica, saved: SavedReplica | None) -> None:
@@ -99,28 +109,22 @@ class ReplicaLoader:
             replica.fragment_id,
         )
 
-    def _pull_since(self, replica: FragmentReplica, saved: SavedReplica) -> bool:
-        """Bring a saved replica up to date with the updates since its version; False if
-        the server cannot continue it (its state is not a continuation of ours)."""
+    def _not_continued(self, replica: FragmentReplica, saved: SavedReplica) -> str | None:
+        """Bring a saved replica up to date with the updates since its version; None if
+        that worked, else why the server cannot continue it (its state is not a
+        continuation of ours)."""
         replica.params, replica.version = [p.clone() for p in saved.params], saved.version
         reply = self.transport.pull(replica.fragment_id, saved.version, 0, retry=False)
         try:
             replica.apply(reply)
         except RuntimeError as err:  # the checksum after the update chain does not match
-            log.warning("learner=%s %s; taking the server's state", self.learner_id, err)
-            return False
+            return f"{err} (the server holds another history)"
+        where = f"fragment {replica.fragment_id}: server at version {reply.version}"
+        if reply.version < saved.version:
+            return f"{where} is behind our {saved.version} (the server lost versions)"
         if reply.version != replica.version or reply.params_crc32 != params_crc32(replica.params):
-            log.warning(
-                "learner=%s fragment %d: the server is at version %d, this learner's replica "
-                "at %d (the server lost versions, or holds another history); taking the "
-                "server's state",
-                self.learner_id,
-                replica.fragment_id,
-                reply.version,
-                saved.version,
-            )
-            return False
-        return True
+            return f"{where}, ours at {saved.version} (the server holds another history)"
+        return None
 
     def _offer_initial_params(self, session_id: str, replica: FragmentReplica) -> None:
         header = pb.PushHeader(

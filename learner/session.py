@@ -130,6 +130,7 @@ class SyncSession:
             changed |= bool(self.sync.merge_phase(self.step))
         if advance == 0:  # an extra inner step before the next push; merge what arrived
             changed |= bool(self.sync.merge_phase(self.step))
+        self._count_blocked()
         return changed
 
     def drain(self) -> None:
@@ -144,6 +145,7 @@ class SyncSession:
             raise RuntimeError("drain() before the session joined")
         self.sync.blocking = True  # the run is over: waiting costs no training
         self.sync.merge_phase(self.step + self.config.sync.overlap_steps)
+        self._count_blocked()
         self.shard_rejoins.try_rejoin(now=True)
         self.sync.load_globals(keep=self.client.away())
 
@@ -204,6 +206,8 @@ class SyncSession:
             push_feedback_in_model=cfg.push_feedback_in_model,
             away=self.client.away,
         )
+        # The run's total, so that a resumed learner's goes on from its checkpoint's.
+        self.sync.stats.blocked_s = self.progress.blocked_on_sync_s
         for replica in replicas:
             if replica.fragment_id not in kept:
                 merge(self.sync.local(replica), replica.params, alpha=0.0)
@@ -225,6 +229,11 @@ class SyncSession:
         except grpc.RpcError as err:
             log.warning("learner=%s leave failed: %s", self.learner_id, err.code().name)
 
+    def _count_blocked(self) -> None:
+        """Keep `progress` current with the time the loop waited at merges."""
+        if self.sync is not None:
+            self.progress.blocked_on_sync_s = self.sync.stats.blocked_s
+
     def _finish_progress(self) -> None:
         p, traffic = self.progress, self.client.traffic
         p.bytes_sent, p.bytes_received = traffic.sent, traffic.received
@@ -233,7 +242,7 @@ class SyncSession:
         if self.sync is not None:
             p.versions = [r.version for r in self.sync.replicas]
             p.params_crc32 = [params_crc32(r.params) for r in self.sync.replicas]
-            p.blocked_on_sync_s = self.sync.stats.blocked_s
+            self._count_blocked()
             p.fragment_syncs = self.sync.stats.syncs
             p.late_merges = self.sync.stats.late_merges
             p.skipped_pushes = self.sync.stats.skipped_pushes

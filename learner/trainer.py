@@ -143,8 +143,9 @@ class Learner:
             if self.sync is not None:
                 self.sync.open(stop)
             island.broadcast_params(self.params)  # every rank starts from the global values
-            self._record_eval()
-            train_started = time.monotonic()
+            # Back by a checkpoint's train_wall_s: a resumed run's goes on from there.
+            train_started = time.monotonic() - self.progress.train_wall_s
+            self._record_eval()  # inside train_wall_s, as eval_s is
             while not island.agree([self._done(stop, started)])[0]:
                 changed, stopped, outer_step = island.agree(self._advance(self._inner_step()))
                 if changed:

@@ -1,5 +1,5 @@
-"""A learner killed with SIGKILL resumes from its checkpoint: step count, data position and
-its place in the inner learning-rate schedule."""
+"""A learner killed with SIGKILL resumes from its checkpoint: step count, data position,
+its place in the inner learning-rate schedule, and its timing figures."""
 
 from __future__ import annotations
 
@@ -65,6 +65,11 @@ def test_a_killed_learner_resumes_its_steps_and_data_position(
     assert second.wait(timeout=120) == 0, learner_log(tmp_path, "second")
     summary = json.loads((tmp_path / "second.json").read_text())
     assert summary["resumed_at_inner_step"] == steps
+    # The timing goes on from the checkpoint's: each counter grew, and the compute of all
+    # steps fits in the training wall time of all (not only of those since the restart).
+    for name in ("compute_s", "train_wall_s", "eval_s"):
+        assert summary[name] > saved["progress"][name] > 0, name
+    assert summary["compute_s"] <= summary["train_wall_s"] - summary["eval_s"]
     assert summary["outer_steps"] == outer + 2
     new_steps = summary["inner_steps"] - steps
     # The schedule goes on from the checkpoint's step count, not from the restart.

@@ -10,6 +10,7 @@ from learner.heartbeat import Pacer
 from learner.progress import Progress
 from learner.session import SyncSession
 from learner.simulated_speed import Slowdown, StepPeriod
+from learner.streaming import SyncStats
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.learners import estimated_schedule_step, median_step_time_s
@@ -101,6 +102,7 @@ class RecordingSync:
     def __init__(self) -> None:
         self.pushed: list[int] = []
         self.merged: list[int] = []
+        self.stats = SyncStats()
 
     def push_phase(self, step: int, inner_step: int | None = None) -> None:
         self.pushed.append(step)
