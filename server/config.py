@@ -6,7 +6,8 @@
 
 Each component owns its section (MembershipConfig: learners.py; RoundsConfig:
 rounds/policy.py; OuterConfig: rounds/outer.py; ShardingConfig: state/params.py;
-PersistenceConfig: state/store.py; NetworkConfig: rpc/auth.py; LimitsConfig: rpc/limits.py),
+PersistenceConfig: state/store.py; NetworkConfig: rpc/auth.py; LimitsConfig, which spans the
+rpc modules and the server's threads, is here),
 whose `__post_init__` raises ValueError naming the field to fix; the daemon configs here hold
 them and check what spans them. Every setting keeps one flat name, unique across the
 sections: its flag, its DILOCO_* variable and its TOML key, at the top of the file or in its
@@ -29,9 +30,74 @@ from server.learners import MembershipConfig
 from server.rounds.outer import OuterConfig
 from server.rounds.policy import RoundsConfig
 from server.rpc.auth import NetworkConfig
-from server.rpc.limits import LimitsConfig
 from server.state.params import ShardingConfig
 from server.state.store import PersistenceConfig
+
+
+@dataclass(kw_only=True)
+class LimitsConfig:
+    """Per-learner call rate and concurrency limits, worker threads and deadlines for
+    streams (server/rpc/limits.py)."""
+
+    rate_limit_calls_per_s: float = 100.0
+    """Each learner may make this many calls per second on average (0: no limit); a
+    learner over it is told to retry later."""
+    rate_limit_burst: int = 200
+    """Calls a learner may make at once before rate_limit_calls_per_s applies."""
+    max_calls_in_flight: int = 16
+    """Calls one learner may have open at the same time (0: no limit). Each open call holds
+    one of the server's worker threads (a long-poll for up to a minute), so this stops a
+    few learners from starving the rest; our learners have at most three open at once."""
+    push_memory_budget_mb: float = 0.0
+    """Push payload bytes the server holds at once, all pushes together: a push's announced
+    size is reserved before its payload is read (server/rpc/receive.py). 0: sized to the
+    fragments the shard owns, a quarter of their fp32 bytes within 64-256 MiB and at least
+    two fp4 pushes of the largest. A fragment's initial fp32 values larger than this are
+    received alone; other pushes must fit: learners pushing in bf16 or fp32 need a budget of
+    at least one such push of the largest fragment (2 or 4 bytes a value), else those pushes
+    are refused, the error giving both sizes."""
+    push_budget_wait_s: float = 0.0
+    """How long a push waits for room in push_memory_budget_mb before it is refused with
+    RESOURCE_EXHAUSTED and a retry hint (learners retry it). 0: refused at once. A waiting
+    push holds what gRPC's flow control lets its sender send meanwhile (up to the link's
+    bandwidth-delay product), so waiting trades memory for fewer retries."""
+    worker_threads: int = 256
+    """Threads that run calls; every open call holds one. Sized for a few hundred learners."""
+    max_concurrent_streams: int = 100
+    """Calls one connection may have open at once (HTTP/2 max concurrent streams). A gRPC
+    client queues calls beyond it until one ends; a learner needs a handful."""
+    stream_idle_timeout_s: float = 30.0
+    """End a streaming call whose peer makes no progress for this long: a push with no next
+    chunk, a pull whose reader stopped reading; 0: off."""
+    stream_min_bytes_per_s: float = 131072.0
+    """A push or pull must end within stream_idle_timeout_s + its payload bytes / this rate
+    (128 KiB/s: a 1 Mbit/s link); 0: no bound on the whole stream."""
+
+    def __post_init__(self) -> None:
+        if not self.rate_limit_calls_per_s >= 0 or self.rate_limit_burst < 1:
+            raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
+        if self.max_calls_in_flight < 0:
+            raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
+        if not self.push_memory_budget_mb >= 0:
+            raise ValueError(
+                f"push_memory_budget_mb must be >= 0 (0: sized to the owned fragments), "
+                f"got {self.push_memory_budget_mb}"
+            )
+        if 0 < self.push_memory_budget_mb * 2**20 < 1:
+            raise ValueError(
+                f"push_memory_budget_mb must be 0 or at least one byte, "
+                f"got {self.push_memory_budget_mb}"
+            )
+        if not 0 <= self.push_budget_wait_s <= 3600:
+            raise ValueError(f"push_budget_wait_s must be 0 to 3600, got {self.push_budget_wait_s}")
+        if self.worker_threads < 1 or self.max_concurrent_streams < 1:
+            raise ValueError("worker_threads and max_concurrent_streams must be >= 1")
+        if not self.stream_idle_timeout_s >= 0 or not self.stream_min_bytes_per_s >= 0:
+            raise ValueError("stream_idle_timeout_s and stream_min_bytes_per_s must be >= 0")
+        if self.stream_min_bytes_per_s and not self.stream_idle_timeout_s:
+            raise ValueError(
+                "stream_min_bytes_per_s needs stream_idle_timeout_s > 0 (its grace period)"
+            )
 
 
 @dataclass(kw_only=True)

@@ -70,8 +70,7 @@ from server.aggregator import Aggregator
 from server.config import ServerConfig
 from server.rpc.auth import CertificateIdentity, TokenAuth
 from server.rpc.calls import EndableCalls
-from server.rpc.deadlines import StreamDeadlines
-from server.rpc.limits import InFlightLimit, RateLimit
+from server.rpc.limits import InFlightLimit, RateLimit, StreamDeadlines
 from server.rpc.metrics import ServerMetrics
 from server.rpc.receive import ChunkViews, PushBudget
 from server.rpc.servicer import AggregatorServicer

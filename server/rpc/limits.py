@@ -1,9 +1,11 @@
-"""What one caller may hold: calls per second, calls open at once, and push memory's and
-streams' settings (LimitsConfig).
+"""What one caller may hold: calls per second, calls open at once, and streams' time (their
+settings: server/config.py LimitsConfig).
 
     limiter = RateLimit(calls_per_s=100, burst=200)
     in_flight = InFlightLimit(max_calls=16)
+    deadlines = StreamDeadlines(idle_timeout_s=30, min_bytes_per_s=128 << 10)
     create_server(..., interceptors=(..., auth, limiter, in_flight, deadlines))   # auth first
+    deadlines.sweep()        # often (the service's tick): ends overdue streams
 
 Rate: each caller (the `x-diloco-learner-id` it sends; verified when authentication is on,
 because the auth interceptor runs first) has a token bucket that holds `burst` calls,
@@ -21,15 +23,22 @@ A call over either bound is refused with RESOURCE_EXHAUSTED before its request i
 the trailing metadata `x-diloco-retry-after-ms`, which our learners treat as "retry later"
 (common/retry.py); a refusal for size (also RESOURCE_EXHAUSTED) has no such key and is final.
 Health checks are not limited.
+
+Deadlines: a stream waiting on its peer (between request messages, or while a response message
+is sent) for idle_timeout_s is cut, and one whose header announces a payload must end within
+idle_timeout_s + payload_bytes / min_bytes_per_s, so a trickle ends too; not watched: the
+server's own work (decoding a push, a long-poll's wait) and unary calls. A cut ends the call
+with DEADLINE_EXCEEDED naming the setting (Call.end); cuts are counted ("idle", "slow").
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -37,10 +46,15 @@ import grpc
 from common.rpc import LEARNER_ID_HEADER, RETRY_AFTER_HEADER
 from server.rpc.calls import (
     HEALTH_METHOD_PREFIX,
+    Call,
     around_calls,
     authenticated_learner,
+    behavior_from,
+    current_call,
     replace_behavior,
 )
+
+log = logging.getLogger(__name__)
 
 MAX_TRACKED_CALLERS = 10_000
 # A refused caller is told to retry after this long: open calls end within seconds, except
@@ -185,67 +199,155 @@ class InFlightLimit(grpc.ServerInterceptor):
         return around_calls(handler, admit)
 
 
-@dataclass(kw_only=True)
-class LimitsConfig:
-    """Per-learner call rate and concurrency limits, worker threads and deadlines for
-    streams (server/rpc/limits.py, server/rpc/deadlines.py)."""
+@dataclass(eq=False)
+class _Watch:
+    """One open stream: since when it waits on its peer, and when it must have ended."""
 
-    rate_limit_calls_per_s: float = 100.0
-    """Each learner may make this many calls per second on average (0: no limit); a
-    learner over it is told to retry later."""
-    rate_limit_burst: int = 200
-    """Calls a learner may make at once before rate_limit_calls_per_s applies."""
-    max_calls_in_flight: int = 16
-    """Calls one learner may have open at the same time (0: no limit). Each open call holds
-    one of the server's worker threads (a long-poll for up to a minute), so this stops a
-    few learners from starving the rest; our learners have at most three open at once."""
-    push_memory_budget_mb: float = 0.0
-    """Push payload bytes the server holds at once, all pushes together: a push's announced
-    size is reserved before its payload is read (server/rpc/receive.py). 0: sized to the
-    fragments the shard owns, a quarter of their fp32 bytes within 64-256 MiB and at least
-    two fp4 pushes of the largest. A fragment's initial fp32 values larger than this are
-    received alone; other pushes must fit: learners pushing in bf16 or fp32 need a budget of
-    at least one such push of the largest fragment (2 or 4 bytes a value), else those pushes
-    are refused, the error giving both sizes."""
-    push_budget_wait_s: float = 0.0
-    """How long a push waits for room in push_memory_budget_mb before it is refused with
-    RESOURCE_EXHAUSTED and a retry hint (learners retry it). 0: refused at once. A waiting
-    push holds what gRPC's flow control lets its sender send meanwhile (up to the link's
-    bandwidth-delay product), so waiting trades memory for fewer retries."""
-    worker_threads: int = 256
-    """Threads that run calls; every open call holds one. Sized for a few hundred learners."""
-    max_concurrent_streams: int = 100
-    """Calls one connection may have open at once (HTTP/2 max concurrent streams). A gRPC
-    client queues calls beyond it until one ends; a learner needs a handful."""
-    stream_idle_timeout_s: float = 30.0
-    """End a streaming call whose peer makes no progress for this long: a push with no next
-    chunk, a pull whose reader stopped reading (server/rpc/deadlines.py); 0: off."""
-    stream_min_bytes_per_s: float = 131072.0
-    """A push or pull must end within stream_idle_timeout_s + its payload bytes / this rate
-    (128 KiB/s: a 1 Mbit/s link); 0: no bound on the whole stream."""
+    call: Call
+    method: str
+    caller: str
+    waiting_since: float | None = None
+    deadline: float | None = None
+    payload_bytes: int = 0
 
-    def __post_init__(self) -> None:
-        if not self.rate_limit_calls_per_s >= 0 or self.rate_limit_burst < 1:
-            raise ValueError("rate_limit_calls_per_s must be >= 0 and rate_limit_burst >= 1")
-        if self.max_calls_in_flight < 0:
-            raise ValueError(f"max_calls_in_flight must be >= 0, got {self.max_calls_in_flight}")
-        if not self.push_memory_budget_mb >= 0:
-            raise ValueError(
-                f"push_memory_budget_mb must be >= 0 (0: sized to the owned fragments), "
-                f"got {self.push_memory_budget_mb}"
+
+class StreamDeadlines(grpc.ServerInterceptor):
+    """Ends streaming calls whose peer is silent for idle_timeout_s, or too slow for its
+    announced payload; counts the cuts by reason. Runs inside EndableCalls."""
+
+    def __init__(
+        self,
+        idle_timeout_s: float,
+        min_bytes_per_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not idle_timeout_s > 0 or not min_bytes_per_s >= 0:
+            raise ValueError("idle_timeout_s must be > 0 and min_bytes_per_s >= 0")
+        self.idle_timeout_s = idle_timeout_s
+        self.min_bytes_per_s = min_bytes_per_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open: set[_Watch] = set()
+        self._cut: collections.Counter[str] = collections.Counter()
+
+    def cut_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._cut)
+
+    def open_streams(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def sweep(self, now: float | None = None) -> int:
+        """End every stream that is overdue now; returns how many were cut."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            overdue = [(w, reason) for w in self._open if (reason := self._overdue(w, now))]
+            for watch, reason in overdue:
+                self._open.discard(watch)
+                self._cut[reason] += 1
+        for watch, reason in overdue:
+            details = self._explain(watch, reason)
+            log.warning("learner=%s %s stream cut: %s", watch.caller, watch.method, details)
+            watch.call.end(grpc.StatusCode.DEADLINE_EXCEEDED, details)
+        return len(overdue)
+
+    def _overdue(self, watch: _Watch, now: float) -> str:
+        since = watch.waiting_since
+        if since is None:  # the server's own work: its time is not the peer's
+            return ""
+        if now - since > self.idle_timeout_s:
+            return "idle"
+        if watch.deadline is not None and now > watch.deadline:
+            return "slow"
+        return ""
+
+    def _explain(self, watch: _Watch, reason: str) -> str:
+        if reason == "idle":
+            return (
+                f"no progress from the peer for {self.idle_timeout_s:g} s (stream_idle_timeout_s)"
             )
-        if 0 < self.push_memory_budget_mb * 2**20 < 1:
-            raise ValueError(
-                f"push_memory_budget_mb must be 0 or at least one byte, "
-                f"got {self.push_memory_budget_mb}"
-            )
-        if not 0 <= self.push_budget_wait_s <= 3600:
-            raise ValueError(f"push_budget_wait_s must be 0 to 3600, got {self.push_budget_wait_s}")
-        if self.worker_threads < 1 or self.max_concurrent_streams < 1:
-            raise ValueError("worker_threads and max_concurrent_streams must be >= 1")
-        if not self.stream_idle_timeout_s >= 0 or not self.stream_min_bytes_per_s >= 0:
-            raise ValueError("stream_idle_timeout_s and stream_min_bytes_per_s must be >= 0")
-        if self.stream_min_bytes_per_s and not self.stream_idle_timeout_s:
-            raise ValueError(
-                "stream_min_bytes_per_s needs stream_idle_timeout_s > 0 (its grace period)"
-            )
+        return (
+            f"a stream of {watch.payload_bytes} payload bytes must end within "
+            f"{self.idle_timeout_s:g} s + the bytes at {self.min_bytes_per_s:g} bytes/s "
+            "(stream_min_bytes_per_s)"
+        )
+
+    def intercept_service(self, continuation: Callable, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith(HEALTH_METHOD_PREFIX):
+            return handler
+        if not (handler.request_streaming or handler.response_streaming):
+            return handler
+        name = method.rsplit("/", 1)[-1]
+        claimed = dict(handler_call_details.invocation_metadata).get(LEARNER_ID_HEADER, "")
+
+        def wrap(behavior):
+            def streaming(request_or_iterator, context):
+                watch = self._watch(name, claimed)
+                try:
+                    if handler.request_streaming:
+                        request_or_iterator = self._requests(request_or_iterator, watch)
+                    result = behavior(request_or_iterator, context)
+                    if handler.response_streaming:
+                        result = yield from self._responses(result, watch)
+                    return result
+                finally:
+                    self._forget(watch)
+
+            return behavior_from(streaming, handler.response_streaming)
+
+        return replace_behavior(handler, wrap)
+
+    def _watch(self, method: str, claimed: str) -> _Watch:
+        call = current_call()
+        if call is None:
+            raise RuntimeError("StreamDeadlines must run inside EndableCalls")
+        watch = _Watch(call, method, authenticated_learner() or claimed or "(no id)")
+        with self._lock:
+            self._open.add(watch)
+        # A streamed answer whose reader went away may never be resumed to its end.
+        if not call.context.add_callback(lambda: self._forget(watch)):
+            self._forget(watch)
+        return watch
+
+    def _forget(self, watch: _Watch) -> None:
+        with self._lock:
+            self._open.discard(watch)
+
+    def _announced(self, watch: _Watch, message) -> None:
+        """A header announcing the payload starts the stream's whole-length bound."""
+        if watch.deadline is not None or not self.min_bytes_per_s:
+            return
+        try:
+            if not message.HasField("header"):
+                return
+        except (ValueError, AttributeError):  # no header field (reflection), or a chunk view
+            return
+        watch.payload_bytes = message.header.payload_bytes
+        watch.deadline = (
+            self._clock() + self.idle_timeout_s + watch.payload_bytes / self.min_bytes_per_s
+        )
+
+    def _requests(self, requests: Iterator, watch: _Watch) -> Iterator:
+        """The request stream, watched while the server waits for each message."""
+        while True:
+            watch.waiting_since = self._clock()
+            try:
+                request = next(requests)
+            except StopIteration:
+                return
+            finally:
+                watch.waiting_since = None
+            self._announced(watch, request)
+            yield request
+
+    def _responses(self, responses: Iterator, watch: _Watch) -> Iterator:
+        """The response stream, watched while gRPC sends each message: it asks for the next
+        one only once the last has gone out."""
+        for response in responses:
+            self._announced(watch, response)
+            watch.waiting_since = self._clock()
+            yield response
+            watch.waiting_since = None

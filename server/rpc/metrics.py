@@ -26,8 +26,7 @@ from server.rounds.admission import staleness_discount
 
 if TYPE_CHECKING:  # the servicer counts into this module's counters
     from server.rpc.auth import TokenAuth
-    from server.rpc.deadlines import StreamDeadlines
-    from server.rpc.limits import InFlightLimit, RateLimit
+    from server.rpc.limits import InFlightLimit, RateLimit, StreamDeadlines
     from server.rpc.servicer import AggregatorServicer
 
 SECONDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

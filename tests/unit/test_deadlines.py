@@ -12,7 +12,7 @@ import pytest
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.retry import wait_until
 from server.rpc.calls import EndableCalls
-from server.rpc.deadlines import StreamDeadlines
+from server.rpc.limits import StreamDeadlines
 from tests.support.fakes import FakeClock, FakeServicerContext
 
 PUSH = "/diloco.v1.Aggregator/PushFragment"
