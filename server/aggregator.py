@@ -13,7 +13,6 @@ progress without sleeping.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 import threading
@@ -29,9 +28,10 @@ from server.learners import Learner, Learners
 from server.rounds.admission import Admission, PushRefused, check_shapes, check_tokens_per_step
 from server.rounds.ingest import DenseBody, PushBody
 from server.rounds.policy import round_policy
+from server.state.formats import Restored
 from server.state.fragment import FragmentState, PullResult
 from server.state.params import GlobalParams, ParamSpec, ShardMap, check_fingerprint, state_identity
-from server.state.store import Persistence, Restored, StateDirFailed
+from server.state.store import Persistence, StateDirFailed
 
 __all__ = ["Aggregator", "AggregatorEvents", "JoinResult"]
 
@@ -146,6 +146,11 @@ class Readings:
             self._cond.wait_for(lambda: gone() or version_of(fragment_id) >= version, timeout_s)
             return version_of(fragment_id)
 
+    def wait_for_snapshot(self, timeout_s: float) -> bool:
+        """Block until no snapshot is being written (tests; shutdown waits by itself)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._store.snapshot_running, timeout_s)
+
     def wake(self) -> None:
         """Make every wait_for_version caller check its `gone` now."""
         with self._cond:
@@ -179,19 +184,14 @@ class Aggregator(Readings):
         )
         self._admission = Admission(config.rounds, self._policy, self.events, clock)
         identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
-        self._store = Persistence(config.persistence, identity, self.events)
-        if (restored := self._store.restore()) is not None and self.resume(restored):
-            # Said out loud: from float32 the conversion loses precision for good (the next
-            # snapshot is in the new dtype), and the default is bfloat16 in sync/quorum.
-            log.warning(
-                "outer state (momentum, pull residual) of the state dir converted to %s "
-                "(outer_state_dtype); give --outer-state-dtype to keep another",
-                config.outer.outer_state_dtype,
-            )
-            # A snapshot now, so that the log's next records follow a snapshot in the dtype
-            # they are made in (a replay runs in the snapshot's).
+        self._store = Persistence(config.persistence, identity, self.events, self._cond)
+        if (restored := self._store.restore()) is not None and (
+            self.resume(restored) or restored.rewrite
+        ):
+            # A snapshot now: the log's next records then follow one in the dtype they are
+            # made in (a replay runs in the snapshot's), and in this server's format.
             with self._cond:
-                self._snapshot()
+                self._store.snapshot(self._params)
 
     def resume(self, restored: Restored) -> bool:
         """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's);
@@ -203,7 +203,7 @@ class Aggregator(Readings):
         """A snapshot now (at shutdown: a restart replays nothing), unless the dir failed."""
         with self._cond:
             if self._params.fingerprint is not None and self._store.failure is None:
-                self._snapshot()
+                self._store.snapshot(self._params)
             self._store.close()
 
     def join(
@@ -284,7 +284,7 @@ class Aggregator(Readings):
             check_shapes(fragment_id, fragment.shapes, [tuple(t.shape) for t in tensors])
             fragment.initialize(tensors)
             try:
-                self._snapshot()  # durable before anyone can pull it
+                self._store.snapshot(self._params)  # durable before anyone can pull it
             except StateDirFailed:
                 fragment.params, fragment.version = None, -1  # not durable: not there
                 raise
@@ -307,6 +307,8 @@ class Aggregator(Readings):
         adds, ticket, nothing_queued = None, None, False
         try:
             with self._cond:
+                while self._policy.one_push_per_round and self._store.writing(fragment_id):
+                    self._cond.wait()  # its round cannot close while a snapshot writes it
                 learner, fragment = self._checked(session_id, fragment_id, base_version, False)
                 adds = fragment.round.adds  # this round's, though the push may close it
                 live = self._learners.live()
@@ -370,7 +372,10 @@ class Aggregator(Readings):
             self._maybe_close(fragment)
 
     def _maybe_close(self, fragment: FragmentState) -> None:
-        """Close the round if the mode's policy says so (rounds/policy.py)."""
+        """Close the round if the mode's policy says so (rounds/policy.py), once a snapshot
+        writing the fragment is done with it (which calls this again)."""
+        if self._store.writing(fragment.fragment_id):
+            return
         opened_at = fragment.round.opened_at
 
         def record(version: int, mean: list[torch.Tensor], outer_setting: int) -> None:
@@ -381,10 +386,8 @@ class Aggregator(Readings):
             return
         round_s = self._clock() - opened_at if opened_at is not None else 0.0
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
-        if self._store.round_closed():
-            # The step is logged: a snapshot that fails stops new versions, not this one.
-            with contextlib.suppress(StateDirFailed):
-                self._snapshot()
+        if self._store.round_closed():  # written off the lock; a failure stops new versions
+            self._store.start_snapshot(self._params, self._maybe_close)
         log.info(
             "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
             fragment.fragment_id,
@@ -394,6 +397,3 @@ class Aggregator(Readings):
             summary.outer_step_s,
         )
         self._cond.notify_all()
-
-    def _snapshot(self) -> None:
-        self._store.snapshot(self._params.fingerprint or [], self._params.fragments)

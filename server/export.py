@@ -25,7 +25,6 @@ import argparse
 import json
 import logging
 import os
-import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,24 +38,17 @@ from common.errors import DilocoError
 from server.aggregator import Aggregator
 from server.config import AggregatorConfig, aggregator_config
 from server.rounds.outer import snapshot_settings
+from server.state.formats import Restored
 from server.state.params import ParamSpec
-from server.state.store import Restored, read_state_dir
+from server.state.store import read_state_dir
 
 log = logging.getLogger("diloco.export")
 
 FORMATS = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt"}
 
-# What an unreadable or inconsistent state dir raises: torch.load's errors for a damaged
-# snapshot, persistence's for a broken log, the Aggregator's for a layout that does not fit.
-_READ_ERRORS = (
-    OSError,
-    EOFError,
-    KeyError,
-    RuntimeError,
-    ValueError,
-    pickle.UnpicklingError,
-    DilocoError,
-)
+# What an unreadable or inconsistent state dir raises: the snapshot's SnapshotError (a
+# ValueError), persistence's for a broken log, the Aggregator's for a layout that does not fit.
+_READ_ERRORS = (OSError, KeyError, RuntimeError, ValueError, DilocoError)
 
 
 class ExportError(ValueError):
@@ -83,7 +75,7 @@ def read_state_params(state_dir: str) -> StateParams:
     try:
         restored = read_state_dir(path)
         if restored is None:
-            raise ExportError(f"state dir {state_dir} holds no snapshot.pt: no state to export")
+            raise ExportError(f"state dir {state_dir} holds no snapshot: no state to export")
         aggregator = Aggregator(replay_config(restored))
         aggregator.resume(restored)
     except _READ_ERRORS as err:

@@ -139,6 +139,7 @@ class RoundPolicy:
     """The rules the modes share; each mode's class overrides what differs."""
 
     mode = ""
+    one_push_per_round = False
 
     def __init__(
         self, rounds: RoundsConfig, outer: OuterConfig, clock: Callable[[], float]
@@ -279,6 +280,7 @@ class Async(RoundPolicy):
     """Each push is a round of its own, applied with Delayed Nesterov."""
 
     mode = "async"
+    one_push_per_round = True  # a push waits for its round to be closable (a snapshot's write)
 
     def new_outer(self) -> DelayedNesterov:
         cfg = self.outer_config

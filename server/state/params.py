@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,9 +39,11 @@ from common.fragments import layout_fragments
 from server.rounds.outer import OuterOptimizer
 from server.state.fragment import FragmentState
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:  # the store imports ParamSpec from here
     from server.config import StreamingConfig
-    from server.state.store import Restored
+    from server.state.formats import Restored
 
 MAX_MODEL_VALUES = 1 << 40
 FLOAT32_BYTES = 4
@@ -99,6 +102,14 @@ class GlobalParams:
             fragment.apply_mean(record.mean)
         # Replayed in the snapshot's state dtype; kept in the configured one from now on.
         changed = [fragment.convert_state() for fragment in self.fragments]  # every one
+        if any(changed):
+            # Said out loud: from float32 the conversion loses precision for good (the next
+            # snapshot is in the new dtype), and the default is bfloat16 in sync/quorum.
+            log.warning(
+                "outer state (momentum, pull residual) of the state dir converted to %s "
+                "(outer_state_dtype); give --outer-state-dtype to keep another",
+                self.fragments[0].outer.state_dtype,
+            )
         return any(changed)
 
     def fragment(self, fragment_id: int) -> FragmentState:

@@ -1,18 +1,21 @@
 """The state directory: restart resumes every version with its optimizer state; a torn or
-corrupt log tail is detected and dropped, never loaded blindly."""
+corrupt log tail is detected and dropped, never loaded blindly. A restart here follows
+`kill`: the old server writes nothing more (no final snapshot) and lets the dir go."""
 
 import io
 import logging
 import struct
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 
 from server.aggregator import Aggregator
 from server.config import aggregator_config
+from server.state.formats import LogRecord
 from server.state.params import ParamSpec
-from server.state.store import LogRecord, StateStore
+from server.state.store import StateStore, read_state_dir
 
 SPECS = [ParamSpec("blocks.0.w", (8, 4), "float32"), ParamSpec("blocks.1.w", (40,), "float32")]
 
@@ -23,8 +26,17 @@ def delta(seed: int) -> list[list[torch.Tensor]]:
 
 
 def start(state_dir, **config) -> tuple[Aggregator, str]:
-    agg = Aggregator(aggregator_config(state_dir=str(state_dir), fragments=2, **config))
+    """A server on `state_dir` (None: in memory, the reference a restarted one must equal)."""
+    dirs = {"state_dir": str(state_dir or "")}
+    agg = Aggregator(aggregator_config(**dirs, fragments=2, **config))
     return agg, agg.join("l0", SPECS).session_id
+
+
+def kill(agg: Aggregator) -> None:
+    """As if the process died: nothing more is written and the dir is free for the next."""
+    assert agg.wait_for_snapshot(timeout_s=60)
+    with agg._cond:
+        agg._store.close()
 
 
 def initialize_both(agg: Aggregator, session: str) -> None:
@@ -33,13 +45,25 @@ def initialize_both(agg: Aggregator, session: str) -> None:
 
 
 def run_rounds(agg: Aggregator, session: str, rounds: range) -> None:
+    """One push to each fragment per round, each waited for as a learner does (a round
+    closes late while a snapshot writes its fragment)."""
     for r in rounds:
         for fid, tensors in enumerate(delta(r)):
-            agg.push(session, fid, agg.version(fid), tensors)
+            version = agg.push(session, fid, agg.version(fid), tensors)
+            assert agg.wait_for_version(fid, version, timeout_s=60) == version
 
 
 def state(agg: Aggregator) -> list[list[torch.Tensor]]:
     return [agg.params(fid) for fid in (0, 1)]
+
+
+def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def newest_log(state_dir: Path) -> Path:
+    return max(state_dir.glob("updates-*.log"))
 
 
 @pytest.mark.parametrize("pull_codec", ["fp4_e2m1", "fp32", "sparse_2bit"])
@@ -54,22 +78,22 @@ def test_restart_resumes_exactly_where_it_stopped(
         "outer_momentum_warmup_rounds": warmup_rounds,
     }
     agg, s = start(tmp_path, **config)
-    initialize_both(agg, s)
-    run_rounds(agg, s, range(7))
-    # No checkpoint(): as if killed. A new server on the same directory ...
+    reference, r = start(None, **config)
+    for server, session in ((agg, s), (reference, r)):
+        initialize_both(server, session)
+        run_rounds(server, session, range(7))
+    kill(agg)
     restarted, s2 = start(tmp_path, **config)
     assert [restarted.version(f) for f in (0, 1)] == [7, 7]
-    for a, b in zip(state(agg), state(restarted), strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert_same(state(restarted), state(reference))
     # ... continues exactly as the original would: momentum and residual came back too.
-    run_rounds(agg, s, range(7, 10))
+    run_rounds(reference, r, range(7, 10))
     run_rounds(restarted, s2, range(7, 10))
-    for a, b in zip(state(agg), state(restarted), strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert_same(state(restarted), state(reference))
     # And pulls of the 4-bit or sparse chain still work across the restart, byte for byte:
     # learners that pulled from the first server continue bit-identical.
     assert restarted.pull(s2, 0, 8).version == 10
-    assert restarted.pull(s2, 0, 8).payload == agg.pull(s, 0, 8).payload
+    assert restarted.pull(s2, 0, 8).payload == reference.pull(r, 0, 8).payload
 
 
 @pytest.mark.parametrize("snapshot_every", [1, 100])  # restored from a snapshot; replayed
@@ -80,13 +104,15 @@ def test_bfloat16_outer_state_resumes_exactly_and_a_change_of_dtype_converts(
     same = {"snapshot_every_versions": snapshot_every, "pull_codec": pull_codec}
     compact = {"outer_state_dtype": "bfloat16", **same}
     agg, s = start(tmp_path / "a", **compact)
-    initialize_both(agg, s)
-    run_rounds(agg, s, range(7))
+    reference, r = start(None, **compact)
+    for server, session in ((agg, s), (reference, r)):
+        initialize_both(server, session)
+        run_rounds(server, session, range(7))
+    kill(agg)
     restarted, s2 = start(tmp_path / "a", **compact)
-    run_rounds(agg, s, range(7, 10))
+    run_rounds(reference, r, range(7, 10))
     run_rounds(restarted, s2, range(7, 10))
-    for a, b in zip(state(agg), state(restarted), strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert_same(state(restarted), state(reference))
     held = restarted._params.fragment(0)
     assert held.outer.momentum_buffers[0].dtype == torch.bfloat16
     assert (
@@ -102,29 +128,28 @@ def test_bfloat16_outer_state_resumes_exactly_and_a_change_of_dtype_converts(
     initialize_both(exact, s3)
     run_rounds(exact, s3, range(10))
     assert exact._params.fragment(0).outer.momentum_buffers[0].dtype == torch.float32
-    with caplog.at_level(logging.WARNING, logger="server.aggregator"):
+    kill(exact)
+    with caplog.at_level(logging.WARNING, logger="server.state.params"):
         converted, s4 = start(tmp_path / "b", **compact)
     assert "converted to bfloat16" in caplog.text
     assert_same(state(converted), state(exact))
     assert converted._params.fragment(0).outer.momentum_buffers[0].dtype == torch.bfloat16
     run_rounds(converted, s4, range(10, 14))
+    kill(converted)
     again, _ = start(tmp_path / "b", **compact)
     assert [again.version(f) for f in (0, 1)] == [14, 14]
     assert_same(state(again), state(converted))
+    kill(again)
     back, _ = start(tmp_path / "b", **float32)
     assert_same(state(back), state(converted))
-
-
-def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:
-    for a, b in zip(got, want, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_torn_tail_is_dropped_and_the_log_truncated(tmp_path, caplog) -> None:
     agg, s = start(tmp_path)
     initialize_both(agg, s)
     run_rounds(agg, s, range(3))  # 6 records
-    log_path = StateStore(tmp_path).log_path
+    kill(agg)
+    log_path = newest_log(tmp_path)
     data = log_path.read_bytes()
     log_path.write_bytes(data[:-10])  # the last record torn mid-write
     restarted, _ = start(tmp_path)
@@ -137,7 +162,8 @@ def test_corrupt_record_ends_the_replay(tmp_path) -> None:
     agg, s = start(tmp_path)
     initialize_both(agg, s)
     run_rounds(agg, s, range(3))
-    log_path = StateStore(tmp_path).log_path
+    kill(agg)
+    log_path = newest_log(tmp_path)
     data = bytearray(log_path.read_bytes())
     data[len(data) // 2] ^= 0xFF  # flip a byte in the middle record's payload
     log_path.write_bytes(bytes(data))
@@ -149,6 +175,7 @@ def test_corrupt_record_ends_the_replay(tmp_path) -> None:
 def test_state_dir_refuses_other_settings(tmp_path) -> None:
     agg, s = start(tmp_path)
     agg.initialize(s, 0, [torch.ones(8, 4)])
+    kill(agg)
     with pytest.raises(ValueError, match="was written with"):
         Aggregator(aggregator_config(state_dir=str(tmp_path), fragments=1))
 
@@ -156,22 +183,23 @@ def test_state_dir_refuses_other_settings(tmp_path) -> None:
 def test_state_dir_refuses_another_sparse_fraction(tmp_path) -> None:
     agg, s = start(tmp_path, pull_codec="sparse_2bit", pull_topk_fraction=1 / 64)
     agg.initialize(s, 0, [torch.ones(8, 4)])
+    kill(agg)
     with pytest.raises(ValueError, match="pull_topk_fraction"):
         start(tmp_path, pull_codec="sparse_2bit", pull_topk_fraction=1 / 32)
 
 
-def test_crash_between_snapshot_and_log_reset_replays_nothing_twice(tmp_path) -> None:
+def test_a_record_in_both_a_snapshot_and_its_log_is_replayed_once(tmp_path) -> None:
+    """A round that closes after the snapshot's log began but before its fragment was
+    written is in both: replay skips the versions the snapshot holds."""
     agg, s = start(tmp_path)
     initialize_both(agg, s)
     run_rounds(agg, s, range(3))
-    log_path = StateStore(tmp_path).log_path
-    old_log = log_path.read_bytes()
-    agg.checkpoint()  # snapshot at versions (3, 3) ...
-    log_path.write_bytes(old_log)  # ... but the crash came before the log was emptied
+    old_log = newest_log(tmp_path).read_bytes()
+    agg.checkpoint()  # snapshot at versions (3, 3), and a new empty log after it
+    newest_log(tmp_path).write_bytes(old_log)  # as if those rounds had closed meanwhile
     restarted, _ = start(tmp_path)
     assert [restarted.version(0), restarted.version(1)] == [3, 3]
-    for a, b in zip(state(agg), state(restarted), strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert_same(state(restarted), state(agg))
 
 
 def test_records_keep_async_momentum_every_and_old_records_still_load(tmp_path) -> None:
@@ -184,7 +212,7 @@ def test_records_keep_async_momentum_every_and_old_records_still_load(tmp_path) 
     payload = buffer.getvalue()
     with open(store.log_path, "ab") as f:
         f.write(struct.pack("<4sQI", b"DLR1", len(payload), zlib.crc32(payload)) + payload)
-    raw, old = list(store.replay())
+    raw, old = list(store.replay(0))
     assert (raw.fragment_id, raw.version, raw.outer_every) == (1, 4, 3)
     assert all(torch.equal(a, b) for a, b in zip(raw.mean, mean, strict=True))
     assert (old.fragment_id, old.version, old.outer_every) == (0, 9, 0)
@@ -198,7 +226,7 @@ def test_a_record_claiming_more_bytes_than_the_file_holds_is_a_torn_tail(tmp_pat
     good = store.log_path.stat().st_size
     with open(store.log_path, "ab") as f:  # a header announcing 1 TB, then nothing
         f.write(struct.pack("<4sQI", b"DLR2", 1 << 40, 0))
-    assert [r.version for r in store.replay()] == [1]
+    assert [r.version for r in store.replay(0)] == [1]
     assert store.log_path.stat().st_size == good
 
 
@@ -231,16 +259,16 @@ def test_a_server_killed_before_each_snapshot_still_compacts_its_log(tmp_path) -
     """Rounds replayed at a restart count towards the next snapshot: a server killed every
     few rounds, never closing snapshot_every_versions rounds in one life, still snapshots,
     so each restart replays at most that many records."""
-    log_path = StateStore(tmp_path).log_path
     agg, s = start(tmp_path, snapshot_every_versions=8)
     initialize_both(agg, s)
-    records = []
+    replayed = []
     for life in range(6):  # 3 rounds of 2 fragments each life, then killed (no checkpoint)
         run_rounds(agg, s, range(3 * life, 3 * life + 3))
-        records.append(sum(1 for _ in StateStore(tmp_path).replay()))
+        kill(agg)
+        replayed.append(sum(1 for _ in read_state_dir(tmp_path).updates))
         agg, s = start(tmp_path, snapshot_every_versions=8)
         assert [agg.version(0), agg.version(1)] == [3 * life + 3] * 2
-    assert max(records) < 8 and log_path.stat().st_size > 0
+    assert max(replayed) <= 8
 
 
 def test_a_snapshot_whose_outer_lr_follows_a_schedule_is_refused() -> None:

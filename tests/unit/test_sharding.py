@@ -123,6 +123,7 @@ def test_a_state_dir_refuses_another_shard_or_count(tmp_path, index, count) -> N
     agg = shard(0, 2, state_dir=str(tmp_path))
     session = agg.join("l0", SPECS).session_id
     agg.initialize(session, 0, [torch.ones(4, 8)])
+    agg.checkpoint()  # stopped: the dir is free for the next server
     with pytest.raises(ValueError) as refused:
         shard(index, count, state_dir=str(tmp_path))
     message = str(refused.value)
@@ -135,6 +136,7 @@ def test_a_state_dir_refuses_another_shard_or_count(tmp_path, index, count) -> N
 def test_a_plain_state_dir_refuses_a_shard(tmp_path) -> None:
     agg = Aggregator(aggregator_config(fragments=4, state_dir=str(tmp_path)))
     agg.initialize(agg.join("l0", SPECS).session_id, 0, [torch.ones(4, 8)])
+    agg.checkpoint()
     with pytest.raises(
         ValueError, match="belongs to shard 0 of 1, and this server is shard 0 of 2"
     ):

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-import server.state.store as store_module
+import server.state.formats as formats
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.state.params import ParamSpec
@@ -31,8 +31,16 @@ def start(state_dir, **config) -> tuple[Aggregator, str]:
 
 
 def push(agg: Aggregator, session: str, seed: int) -> int:
+    """A push, waited for as a learner waits (a round closes late while a snapshot writes its
+    fragment)."""
     g = torch.Generator().manual_seed(seed)
-    return agg.push(session, 0, agg.version(0), [torch.randn(64, 33, generator=g) * 1e-2])
+    version = agg.push(session, 0, agg.version(0), [torch.randn(64, 33, generator=g) * 1e-2])
+    assert agg.wait_for_version(0, version, timeout_s=60) == version
+    return version
+
+
+def log_bytes(state_dir) -> int:
+    return max(state_dir.glob("updates-*.log")).stat().st_size
 
 
 def fails_once(monkeypatch, name: str, err: OSError, target=os) -> None:
@@ -53,20 +61,20 @@ def test_an_fsync_that_fails_makes_no_version_and_stops_new_ones(tmp_path, monke
     agg.initialize(session, 0, [torch.ones(64, 33)])
     assert push(agg, session, 1) == 1
     served = agg.params(0)
-    log_bytes = (tmp_path / "updates.log").stat().st_size
+    logged = log_bytes(tmp_path)
     fails_once(monkeypatch, "fsync", OSError(errno.EIO, "Input/output error"))
-    with pytest.raises(StateDirFailed, match="cannot append to .*updates.log: Input/output") as err:
+    with pytest.raises(StateDirFailed, match=r"cannot append to .*updates-\d+.log: Input/") as err:
         push(agg, session, 2)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
     # Nothing of the failed round: no version, no record (cut off again), the log as it was.
     assert agg.version(0) == 1 and torch.equal(agg.params(0)[0], served[0])
-    assert (tmp_path / "updates.log").stat().st_size == log_bytes
+    assert log_bytes(tmp_path) == logged
     assert "Input/output error" in agg.state_failure()
     # No new versions from now on, refused before any payload; what was served still is.
     with pytest.raises(StateDirFailed, match="takes no new versions"):
         agg.check_push(session, 0, 1)
     assert agg.pull(session, 0, -1).version == 1
-    agg.checkpoint()  # at shutdown: no snapshot of a failed dir
+    agg.checkpoint()  # at shutdown: no snapshot of a failed dir; the dir is let go
     restarted, _ = start(tmp_path)
     assert restarted.version(0) == 1 and torch.equal(restarted.params(0)[0], served[0])
     assert (
@@ -81,8 +89,8 @@ def test_a_disk_that_fills_half_way_through_a_record_leaves_no_torn_record(
     agg, session = start(tmp_path)
     agg.initialize(session, 0, [torch.ones(64, 33)])
     push(agg, session, 1)
-    served, log_bytes = agg.params(0), (tmp_path / "updates.log").stat().st_size
-    real = store_module._write_all
+    served, logged = agg.params(0), log_bytes(tmp_path)
+    real = formats._write_all
 
     def half_then_full(f, data) -> None:
         view = memoryview(data).cast("B")
@@ -91,11 +99,12 @@ def test_a_disk_that_fills_half_way_through_a_record_leaves_no_torn_record(
             raise OSError(errno.ENOSPC, "No space left on device")
         real(f, data)
 
-    monkeypatch.setattr(store_module, "_write_all", half_then_full)
+    monkeypatch.setattr(formats, "_write_all", half_then_full)
     with pytest.raises(StateDirFailed, match="No space left on device"):
         push(agg, session, 2)
-    assert (tmp_path / "updates.log").stat().st_size == log_bytes
-    monkeypatch.setattr(store_module, "_write_all", real)  # space is back
+    assert log_bytes(tmp_path) == logged
+    monkeypatch.setattr(formats, "_write_all", real)  # space is back
+    agg.checkpoint()  # the server stops (no snapshot of a failed dir)
     restarted, _ = start(tmp_path)
     assert restarted.version(0) == 1 and torch.equal(restarted.params(0)[0], served[0])
 
@@ -106,20 +115,23 @@ def test_a_snapshot_that_cannot_be_written_keeps_the_step_it_followed(
     agg, session = start(tmp_path, snapshot_every_versions=2)
     agg.initialize(session, 0, [torch.ones(64, 33)])
     push(agg, session, 1)
-    fails_once(monkeypatch, "atomic_write", OSError(errno.ENOSPC, "No space left"), store_module)
+    fails_once(monkeypatch, "save_file", OSError(errno.ENOSPC, "No space left"), formats)
     assert push(agg, session, 2) == 2  # logged before the snapshot was due: it stands
-    assert agg.version(0) == 2 and "snapshot.pt: No space left" in agg.state_failure()
+    assert agg.wait_for_snapshot(timeout_s=60)  # written off the lock, and failed
+    assert agg.version(0) == 2 and "No space left" in agg.state_failure()
+    assert "snapshot-000002.tmp" in agg.state_failure()
     served = agg.params(0)
     with pytest.raises(StateDirFailed):
         push(agg, session, 3)
-    restarted, _ = start(tmp_path, snapshot_every_versions=2)  # old snapshot + the log
+    agg.checkpoint()
+    restarted, _ = start(tmp_path, snapshot_every_versions=2)  # old snapshot + both logs
     assert restarted.version(0) == 2 and torch.equal(restarted.params(0)[0], served[0])
 
 
 def test_initial_values_that_cannot_be_made_durable_are_not_taken(tmp_path, monkeypatch) -> None:
     agg, session = start(tmp_path)
-    fails_once(monkeypatch, "atomic_write", OSError(errno.EIO, "Input/output error"), store_module)
-    with pytest.raises(StateDirFailed, match="snapshot.pt: Input/output error"):
+    fails_once(monkeypatch, "save_file", OSError(errno.EIO, "Input/output error"), formats)
+    with pytest.raises(StateDirFailed, match=r"snapshot-000001.tmp: Input/output error"):
         agg.initialize(session, 0, [torch.ones(64, 33)])
     assert agg.version(0) == -1  # another learner's offer is refused too, until a restart
     with pytest.raises(StateDirFailed):

@@ -1,0 +1,252 @@
+"""Snapshots: written off the lock a fragment at a time, safetensors and JSON with checksums,
+a torn or corrupt newest one passed over for the one before it, one killed half way
+harmless, no pickle read, one server per state dir, an older server's dir rewritten."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import server.state.store as store_module
+from server.aggregator import Aggregator
+from server.config import aggregator_config
+from server.state.formats import SnapshotError, read_snapshot
+from server.state.params import ParamSpec
+
+SPECS = [ParamSpec("blocks.0.w", (8, 4), "float32"), ParamSpec("blocks.1.w", (40,), "float32")]
+WAIT_S = 30  # a bound on each wait; the tests end in well under a second
+
+
+def start(state_dir: Path | None, **config) -> tuple[Aggregator, str]:
+    settings = {"state_dir": str(state_dir or ""), "fragments": 2, **config}
+    agg = Aggregator(aggregator_config(**settings))
+    return agg, agg.join("l0", SPECS).session_id
+
+
+def delta(fid: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(SPECS[fid].shape, generator=g) * 0.01]
+
+
+def rounds(agg: Aggregator, session: str, seeds: range, initialize: bool = False) -> None:
+    """Both fragments through the rounds of `seeds`, each push waited for."""
+    if initialize:
+        for fid in (0, 1):
+            agg.initialize(session, fid, [torch.ones(SPECS[fid].shape)])
+    for seed in seeds:
+        for fid in (0, 1):
+            version = agg.push(session, fid, agg.version(fid), delta(fid, seed))
+            assert agg.wait_for_version(fid, version, WAIT_S) == version
+    assert agg.wait_for_snapshot(WAIT_S)
+
+
+def kill(agg: Aggregator) -> None:
+    """As if the process died: nothing more is written and the dir is free for the next."""
+    with agg._cond:
+        agg._store.close()
+
+
+def assert_same(a: Aggregator, b: Aggregator) -> None:
+    for fid in (0, 1):
+        assert a.version(fid) == b.version(fid)
+        assert all(torch.equal(x, y) for x, y in zip(a.params(fid), b.params(fid), strict=True))
+
+
+class HeldWrite:
+    """Holds a snapshot's write of one fragment until `release()`: what the server does
+    meanwhile is the test."""
+
+    def __init__(self, monkeypatch, fragment: int) -> None:
+        self.entered, self._release = threading.Event(), threading.Event()
+        real = store_module.write_fragment
+
+        def held(directory, index, state):
+            if index == fragment:
+                self.entered.set()
+                self._release.wait(WAIT_S)
+            return real(directory, index, state)
+
+        monkeypatch.setattr(store_module, "write_fragment", held)
+
+    def release(self) -> None:
+        self._release.set()
+
+
+def test_a_snapshot_holds_still_only_the_fragment_it_writes(tmp_path, monkeypatch) -> None:
+    agg, s = start(tmp_path, snapshot_every_versions=2)
+    reference, r = start(None)
+    rounds(agg, s, range(1), initialize=True)
+    rounds(reference, r, range(2), initialize=True)
+    held = HeldWrite(monkeypatch, fragment=0)
+    agg.push(s, 0, 1, delta(0, 1))
+    agg.push(s, 1, 1, delta(1, 1))  # the second round closed: a snapshot is due, off the lock
+    assert held.entered.wait(WAIT_S)
+    # The lock is free while fragment 0 is written: heartbeats answer, fragment 0's pushes
+    # are taken into its open round, and fragment 1's rounds close.
+    assert agg.heartbeat(s, step=10) == ([2, 2], 1)
+    assert agg.push(s, 0, 2, delta(0, 2)) == 3 and agg.version(0) == 2  # its round waits
+    assert agg.push(s, 1, 2, delta(1, 2)) == 3 and agg.version(1) == 3
+    rounds(reference, r, range(2, 3))
+    held.release()
+    assert agg.wait_for_version(0, 3, WAIT_S) == 3  # closed once its fragment was written
+    assert agg.wait_for_snapshot(WAIT_S)
+    assert_same(agg, reference)
+    kill(agg)
+    restarted, _ = start(tmp_path, snapshot_every_versions=2)
+    assert_same(restarted, reference)
+
+
+def test_an_async_push_waits_while_its_fragment_is_written(tmp_path, monkeypatch) -> None:
+    """In async mode each push is a round of its own: one that arrives while its fragment is
+    written waits for the write rather than share a round with another push."""
+    agg, s = start(tmp_path, mode="async", snapshot_every_versions=2)
+    rounds(agg, s, range(0), initialize=True)
+    held = HeldWrite(monkeypatch, fragment=0)
+
+    def push(fid: int, base: int, seed: int) -> int:
+        return agg.push(s, fid, base, delta(fid, seed), tokens=64, inner_steps=4)
+
+    push(1, 0, 0)
+    push(1, 1, 1)  # two rounds closed: a snapshot is due
+    assert held.entered.wait(WAIT_S)
+    answered: list[int] = []
+    pusher = threading.Thread(target=lambda: answered.append(push(0, 0, 0)))
+    pusher.start()
+    assert push(1, 2, 2) == 3  # another fragment's pushes go on
+    pusher.join(0.2)
+    assert pusher.is_alive() and agg.version(0) == 0  # waiting, not admitted
+    held.release()
+    pusher.join(WAIT_S)
+    assert answered == [1] and agg.version(0) == 1
+
+
+def two_snapshots(tmp_path: Path) -> tuple[Aggregator, list[Path]]:
+    """A reference after 4 rounds, and a killed server's dir: its two newest snapshots (the
+    older ones are gone), oldest first, and the logs from the older one on."""
+    agg, s = start(tmp_path, snapshot_every_versions=2)
+    rounds(agg, s, range(4), initialize=True)
+    kill(agg)
+    kept = sorted(tmp_path.glob("snapshot-*"))
+    assert len(kept) == 2
+    reference, r = start(None)
+    rounds(reference, r, range(4), initialize=True)
+    return reference, kept
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte", "no manifest entry"])
+def test_a_damaged_newest_snapshot_gives_way_to_the_one_before(tmp_path, caplog, damage) -> None:
+    reference, (_, newest) = two_snapshots(tmp_path)
+    tensors = newest / "fragment-0.safetensors"
+    data = bytearray(tensors.read_bytes())
+    if damage == "truncated":
+        tensors.write_bytes(data[: len(data) // 2])
+    elif damage == "flipped byte":
+        data[-5] ^= 0x40  # in the tensors' bytes, past the header
+        tensors.write_bytes(bytes(data))
+    else:
+        (newest / "manifest.json").write_text('{"format": "diloco-state-snapshot"}')
+    with pytest.raises(SnapshotError) as err:
+        read_snapshot(newest)
+    named = "manifest.json" if damage == "no manifest entry" else "fragment-0.safetensors"
+    assert named in str(err.value)
+    with caplog.at_level(logging.WARNING):
+        restarted, _ = start(tmp_path, snapshot_every_versions=2)
+    assert named in caplog.text and "restoring from the snapshot before it" in caplog.text
+    assert_same(restarted, reference)
+    assert newest.with_name(newest.name + ".bad").is_dir()  # kept for a look, out of the way
+
+
+def test_a_dir_without_a_readable_snapshot_is_refused_naming_each(tmp_path) -> None:
+    _, kept = two_snapshots(tmp_path)
+    for snapshot in kept:
+        (snapshot / "fragment-0.safetensors").write_bytes(b"torn")
+    with pytest.raises(SnapshotError) as err:
+        start(tmp_path)
+    assert all(snapshot.name in str(err.value) for snapshot in kept)
+
+
+def test_a_snapshot_killed_half_way_loses_nothing(tmp_path, monkeypatch) -> None:
+    """What kill -9 leaves while fragment 1 is written: fragment 0's file in snapshot-n.tmp
+    and the new log. The copy of the dir at that moment restarts with every version."""
+    agg, s = start(tmp_path / "live", snapshot_every_versions=2)
+    rounds(agg, s, range(1), initialize=True)
+    held = HeldWrite(monkeypatch, fragment=1)
+    agg.push(s, 0, 1, delta(0, 1))
+    agg.push(s, 1, 1, delta(1, 1))
+    assert held.entered.wait(WAIT_S)
+    assert agg.push(s, 0, 2, delta(0, 2)) == 3 and agg.version(0) == 3  # into the new log
+    shutil.copytree(tmp_path / "live", tmp_path / "killed", ignore=shutil.ignore_patterns("lock"))
+    held.release()
+    [half] = (tmp_path / "killed").glob("snapshot-*.tmp")
+    assert sorted(p.name for p in half.iterdir()) == [
+        "fragment-0.safetensors",
+        "fragment-0.updates",
+    ]
+    reference, r = start(None)
+    rounds(reference, r, range(2), initialize=True)
+    reference.push(r, 0, 2, delta(0, 2))
+    restarted, _ = start(tmp_path / "killed", snapshot_every_versions=2)
+    assert [restarted.version(0), restarted.version(1)] == [3, 2]
+    assert_same(restarted, reference)
+    assert not half.exists()
+
+
+def test_a_snapshot_holds_no_pickle_and_an_older_pickle_runs_no_code(tmp_path) -> None:
+    agg, s = start(tmp_path / "state")
+    rounds(agg, s, range(1), initialize=True)
+    agg.checkpoint()
+    snapshot = max((tmp_path / "state").glob("snapshot-*"))
+    assert sorted(p.suffix for p in snapshot.iterdir()) == [
+        ".json",
+        ".safetensors",
+        ".safetensors",
+        ".updates",
+        ".updates",
+    ]
+    marker = tmp_path / "ran"
+
+    class Payload:  # what a pickle can make torch.load run
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    torch.save({"fingerprint": [], "layout": {}, "fragments": [Payload()]}, hostile / "snapshot.pt")
+    with pytest.raises(SnapshotError, match=r"snapshot\.pt: unreadable"):
+        start(hostile)
+    assert not marker.exists()
+
+
+def test_one_server_per_state_dir(tmp_path) -> None:
+    agg, _ = start(tmp_path)
+    with pytest.raises(ValueError, match="in use by another server"):
+        start(tmp_path)
+    agg.checkpoint()  # stopped: the dir is free
+    start(tmp_path)
+
+
+def test_an_older_servers_state_dir_is_read_and_rewritten(tmp_path) -> None:
+    """snapshot.pt (torch.save of the same fields) and updates.log: read with torch's
+    weights-only loader, replayed, and rewritten as snapshot-000001."""
+    agg, s = start(tmp_path / "new", snapshot_every_versions=4)
+    rounds(agg, s, range(3), initialize=True)  # a snapshot after round 1; round 2 logged
+    kill(agg)
+    newest = max((tmp_path / "new").glob("snapshot-*"))
+    snapshot = read_snapshot(newest)  # each fragment as it was when written
+    older = tmp_path / "older"
+    older.mkdir()
+    fields = ("fingerprint", "layout", "fragments")
+    torch.save({k: snapshot[k] for k in fields}, older / "snapshot.pt")
+    shutil.copy(newest.parent / f"updates-{newest.name[-6:]}.log", older / "updates.log")
+    reference, r = start(None)
+    rounds(reference, r, range(3), initialize=True)
+    restarted, _ = start(older)
+    assert_same(restarted, reference)
+    assert not (older / "snapshot.pt").exists() and not (older / "updates.log").exists()
+    assert (older / "snapshot-000001" / "manifest.json").exists()
