@@ -183,6 +183,7 @@ def reference(daemons: Mapping[str, type]) -> str:
         "the config file < the environment < flags.",
     ]
     for command, cls in daemons.items():
+        notes = cls.restart_notes() if hasattr(cls, "restart_notes") else {}
         lines += ["", f"## {command}"]
         by_section: dict[str, list[Setting]] = {}
         for setting in settings(cls).values():
@@ -195,7 +196,8 @@ def reference(daemons: Mapping[str, type]) -> str:
             lines += ["| setting | default | what it does |", "| --- | --- | --- |"]
             for s in members:
                 default = "" if s.default in ("", None) else f"`{s.default!r}`"
-                lines.append(f"| `{s.name}` | {default} | {s.doc.replace('|', '/')} |")
+                doc = f"{s.doc} {notes[s.name]}" if s.name in notes else s.doc
+                lines.append(f"| `{s.name}` | {default} | {doc.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -62,6 +62,8 @@ def format_shard(address: str, status: pb.StatusResponse | grpc.RpcError) -> lis
         lines.append(f"  learner {learner.learner_id}: {state}, {push}")
     if not status.learners:
         lines.append("  no learners")
+    for change in status.setting_changes:
+        lines.append(f"  setting {change.setting}: {change.was} -> {change.now} since the restart")
     return lines
 
 

@@ -1,18 +1,17 @@
 """The aggregator: the rules of a run, free of gRPC so that every rule is unit-testable.
 
-`Aggregator` coordinates, under one lock: `Learners` (learners.py: every learner's session,
-lease, reports and pushes); `GlobalParams` (state/params.py: the fingerprint fixed by the
-first learner and one `FragmentState` per fragment: parameters, version, outer state, open
-round, update log); `Admission` (rounds/admission.py: what a push must pass and weighs); one
-round policy (rounds/policy.py, picked from the mode: when a round closes, and the close);
-and `Persistence` (state/store.py: the state dir). A learner whose lease expires or who
-leaves stops counting, so a dead learner never stalls the others. All methods are
-thread-safe; `wait_for_version` lets callers (the PullParams long-poll, tests) block on
-progress without sleeping.
+`Aggregator` coordinates, under one lock: `Learners` (learners.py: each learner's session,
+lease, reports and pushes); `GlobalParams` (state/params.py: the fingerprint the first learner
+fixes and one `FragmentState` per fragment); `Admission` (rounds/admission.py: what a push
+must pass and weighs); one round policy (rounds/policy.py: when a round closes, and the
+close); and `Persistence` (state/store.py: the state dir). A learner whose lease expires or
+who leaves stops counting, so a dead learner never stalls the others. All methods are
+thread-safe; `wait_for_version` blocks callers (long-polls, tests) on progress.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import threading
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from common.errors import FailedPrecondition, InvalidArgument
-from server.config import AggregatorSections
+from server.config import AggregatorSections, changed_settings, recorded_settings
 from server.learners import Learner, Learners
 from server.rounds.admission import Admission, PushRefused, check_shapes, check_tokens_per_step
 from server.rounds.ingest import DenseBody, PushBody
@@ -68,8 +67,7 @@ class JoinResult:
 
 
 class Readings:
-    """What callers may read of the aggregator's state, each read under its lock; the
-    Aggregator below changes that state."""
+    """What callers may read of the aggregator's state, each read under its lock."""
 
     _cond: threading.Condition
     _clock: Callable[[], float]
@@ -102,12 +100,10 @@ class Readings:
         or pusher's last accepted push (-1, -1 for none), by id."""
         with self._cond:
             now, rows = self._clock(), []
-            for learner in self._learners.everyone():
-                fid, version, at = learner.last_push or (-1, -1, now)
-                if learner.session_id or learner.last_push:
-                    rows.append(
-                        (learner.learner_id, bool(learner.session_id), fid, version, now - at)
-                    )
+            for x in self._learners.everyone():
+                fid, version, at = x.last_push or (-1, -1, now)
+                if x.session_id or x.last_push:
+                    rows.append((x.learner_id, bool(x.session_id), fid, version, now - at))
             return rows
 
     def layout(self) -> list[tuple[int, list[int], int]]:
@@ -184,20 +180,27 @@ class Aggregator(Readings):
         )
         self._admission = Admission(config.rounds, self._policy, self.events, clock)
         identity = state_identity(config.streaming, config.rounds.mode, config.sharding)
-        self._store = Persistence(config.persistence, identity, self.events, self._cond)
-        if (restored := self._store.restore()) is not None and (
-            self.resume(restored) or restored.rewrite
-        ):
-            # A snapshot now: the log's next records then follow one in the dtype they are
-            # made in (a replay runs in the snapshot's), and in this server's format.
-            with self._cond:
-                self._store.snapshot(self._params)
+        durable = functools.partial(self._admission.durable, self._learners)
+        args = (identity, self.events, self._cond, recorded_settings(config), durable)
+        self._store = Persistence(config.persistence, *args)
+        self.setting_changes: list[tuple] = []  # what a restart changed: (setting, was, now)
+        if (restored := self._store.restore()) is not None:
+            converted = self.resume(restored)
+            versions = [f.version for f in self._params.fragments]
+            self.setting_changes = changed_settings(restored, config, versions)
+            if converted or restored.rewrite or self.setting_changes:
+                # A snapshot now: the log's next records then follow one made with the
+                # settings and dtype they are made with (a replay runs with the snapshot's).
+                with self._cond:
+                    self._store.snapshot(self._params)
 
     def resume(self, restored: Restored) -> bool:
         """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's);
         True if their state is now kept in another dtype than the state dir's."""
         with self._cond:
-            return self._params.restore(restored, self._policy.before_replay)
+            converted = self._params.restore(restored, self._policy.before_replay)
+            self._admission.restore(restored.admission, self._learners)  # once replayed
+            return converted
 
     def checkpoint(self) -> None:
         """A snapshot now (at shutdown: a restart replays nothing), unless the dir failed."""
@@ -377,10 +380,7 @@ class Aggregator(Readings):
         if self._store.writing(fragment.fragment_id):
             return
         opened_at = fragment.round.opened_at
-
-        def record(version: int, mean: list[torch.Tensor], outer_setting: int) -> None:
-            self._store.record(fragment.fragment_id, version, mean, outer_setting)
-
+        record = functools.partial(self._store.record, fragment.fragment_id)  # the write-ahead
         summary = self._policy.close(fragment, self._learners.live(), record)
         if summary is None:
             return

@@ -17,9 +17,11 @@ settings a user leaves unset.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Protocol
 
 from common.codec.sparse import DEFAULT_TOPK_FRACTION
 from common.codec.tensor import CODECS, is_sparse
@@ -27,11 +29,16 @@ from common.config import build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
 from server.learners import MembershipConfig
-from server.rounds.outer import OuterConfig
+from server.rounds.outer import OuterConfig, snapshot_settings
 from server.rounds.policy import RoundsConfig
 from server.rpc.auth import NetworkConfig
 from server.state.params import ShardingConfig
 from server.state.store import PersistenceConfig
+
+if TYPE_CHECKING:
+    from server.state.formats import Restored
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -227,6 +234,11 @@ class ServerConfig:
     """diloco-server's settings: the Aggregator's sections plus the service around it (the
     Aggregator's first: a bad training setting is reported before a missing TLS setting)."""
 
+    @classmethod
+    def restart_notes(cls) -> dict[str, str]:
+        """What the configuration reference says of each setting across a restart."""
+        return restart_notes()
+
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     rounds: RoundsConfig = field(default_factory=RoundsConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
@@ -272,6 +284,45 @@ def check_aggregator_sections(config: AggregatorSections) -> None:
             "outer_momentum_warmup_rounds is for sync and quorum modes; async mode's "
             "Delayed Nesterov has no warm-up"
         )
+
+
+# Across a restart on the same state dir: the settings it is bound to (params.state_identity)
+# are refused if changed, naming each; the other settings of these sections are recorded with
+# each snapshot, and a change is logged and applies from each fragment's next round.
+FIXED_BY_STATE_DIR = ("fragments", "layout", "mode", "pull_codec", "pull_topk_fraction")
+FIXED_BY_STATE_DIR += ("shard_index", "shard_count")
+RECORDED_SECTIONS = ("membership", "rounds", "outer", "streaming")
+
+
+def recorded_settings(config: AggregatorSections) -> dict[str, Any]:
+    """The settings a state dir records with each snapshot, by flat name, as JSON values."""
+    sections = (getattr(config, name) for name in RECORDED_SECTIONS)
+    values = {f.name: getattr(s, f.name) for s in sections for f in fields(s)}
+    return json.loads(json.dumps(values))
+
+
+def changed_settings(
+    restored: Restored, config: AggregatorSections, versions: Sequence[int]
+) -> list[tuple[str, Any, Any]]:
+    """(setting, the state dir's value, this server's) of each recorded setting a restart
+    changed, each logged; `versions`: the fragments' after the replay (it applies after them).
+    A dir that recorded no settings (an older server's) has its outer optimizer's."""
+    recorded = restored.settings
+    if not recorded and restored.fragments:
+        recorded = snapshot_settings(restored.fragments[0]["outer"])
+    now = recorded_settings(config)
+    changes = [(k, recorded[k], v) for k, v in now.items() if k in recorded and recorded[k] != v]
+    for name, was, value in changes:
+        log.warning("%s %r -> %r from the rounds after versions %s", name, was, value, versions)
+    return changes
+
+
+def restart_notes() -> dict[str, str]:
+    """Each recorded or fixed setting's note across a restart on the same state dir."""
+    kinds = [f.default_factory for f in fields(AggregatorConfig) if f.name in RECORDED_SECTIONS]
+    may = "*Restart:* may change (logged; applies from the next round)."
+    notes = {f.name: may for kind in kinds for f in fields(kind)}
+    return notes | dict.fromkeys(FIXED_BY_STATE_DIR, "*Restart:* fixed by the state dir.")
 
 
 def aggregator_config(**settings: object) -> AggregatorConfig:

@@ -91,7 +91,7 @@ class Learners:
     def open(self, learner_id: str, tokens_per_step: int = 0) -> Learner:
         """A new session for `learner_id` (which holds none), its lease starting now and
         its progress reports reset."""
-        learner = self._records.setdefault(learner_id, Learner(learner_id))
+        learner = self.record(learner_id)
         if learner.session_id:
             raise RuntimeError(f"learner {learner_id} already holds a session")
         learner.session_id = secrets.token_hex(16)
@@ -118,6 +118,10 @@ class Learners:
 
     def of_session(self, session_id: str) -> Learner | None:
         return self._sessions.get(session_id)
+
+    def record(self, learner_id: str) -> Learner:
+        """The learner's record, a new one (holding no session) if it never joined."""
+        return self._records.setdefault(learner_id, Learner(learner_id))
 
     def get(self, learner_id: str) -> Learner | None:
         """The learner's record, live or not (None: never joined)."""

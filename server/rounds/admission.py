@@ -28,8 +28,8 @@ replay of the log rebuilds it):
   learners' last weights. The median of the others, so that with two learners one cannot
   raise its own bound; the last weights rather than the open round's pushes, so that the cap
   is known when the push is summed. A liar in a round of n honest learners carries at most
-  c/(n + c) of the weight. Until another live learner has pushed since the server started,
-  a push has nothing to be capped against.
+  c/(n + c) of the weight. Until another live learner has pushed (in the state dir's
+  life: a restart keeps the last weights and the guards' norms), nothing caps a push.
 - Robust merge (`robust_merge`): `clip-to-median` scales each push down to the fragment's
   recent median norm, so a push moves the model no further than a typical one;
   `trimmed-mean` keeps each push's Δ for round.py's trimmed mean.
@@ -47,7 +47,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
-from server.learners import Learner
+from server.learners import Learner, Learners
 from server.rounds.ingest import DenseBody, PushBody
 from server.rounds.round import AddTicket, Round
 
@@ -94,6 +94,23 @@ class Admission:
         self.config, self._policy, self._events, self._clock = config, policy, events, clock
         ratio = config.max_norm_ratio
         self.norm_guards: defaultdict[int, NormGuard] = defaultdict(lambda: NormGuard(ratio))
+
+    def durable(self, learners: Learners, fragment_id: int | None) -> dict:
+        """What a restart must keep (the state dir records it): the recent norms of one
+        fragment's guard (None: every fragment's) and each learner's last weight, the weight
+        cap's reference. Without them the first pushes after a restart go unguarded."""
+        fids = self.norm_guards if fragment_id is None else [fragment_id]
+        return {
+            "norms": {str(f): list(self.norm_guards[f].recent) for f in fids},
+            "weights": {x.learner_id: x.last_weight for x in learners.everyone() if x.last_weight},
+        }
+
+    def restore(self, state: dict, learners: Learners) -> None:
+        """Take back what `durable` gave, as a state dir restores it."""
+        for fid, norms in state.get("norms", {}).items():
+            self.norm_guards[int(fid)].recent.extend(float(n) for n in norms)
+        for learner_id, weight in state.get("weights", {}).items():
+            learners.record(learner_id).last_weight = float(weight)
 
     def check_header(
         self, learner: Learner, fragment: FragmentState, base_version: int, initial: bool
@@ -277,15 +294,15 @@ class NormGuard:
     def __init__(self, max_ratio: float, window: int = 32, warmup: int = 4) -> None:
         self.max_ratio = max_ratio
         self.warmup = warmup
-        self._recent: deque[float] = deque(maxlen=window)
+        self.recent: deque[float] = deque(maxlen=window)
 
     def check(self, norm: float) -> None:
         """Raise ValueError (with the reason) if `norm` is out of bounds; records nothing."""
         if not math.isfinite(norm):
             raise ValueError("pseudo-gradient norm is not finite")
-        if self.max_ratio <= 0 or len(self._recent) < self.warmup:
+        if self.max_ratio <= 0 or len(self.recent) < self.warmup:
             return
-        median = statistics.median(self._recent)
+        median = statistics.median(self.recent)
         if median > 0 and norm > self.max_ratio * median:
             raise ValueError(
                 f"pseudo-gradient norm {norm:.4g} is {norm / median:.1f}x the recent median "
@@ -293,10 +310,10 @@ class NormGuard:
             )
 
     def record(self, norm: float) -> None:
-        self._recent.append(norm)
+        self.recent.append(norm)
 
     def median(self) -> float | None:
         """The recent median norm, once past the warm-up (None before)."""
-        if len(self._recent) < max(1, self.warmup):
+        if len(self.recent) < max(1, self.warmup):
             return None
-        return statistics.median(self._recent)
+        return statistics.median(self.recent)

@@ -44,6 +44,10 @@ class OuterOptimizer(Protocol):
     def convert_state(self, state_dtype: str) -> None:
         """Keep the state in `state_dtype` (a STATE_DTYPES key) from now on."""
 
+    def adopt(self, configured: OuterOptimizer) -> None:
+        """After a restart's replay (made with the snapshot's settings): take the settings of
+        `configured`, a fresh optimizer of this server's config, from the next step on."""
+
 
 # The OuterConfig setting that each optimizer field saved in a snapshot (`vars()`) holds.
 _SETTING_OF_FIELD = {
@@ -122,6 +126,10 @@ class NesterovOuter:
             setattr(self, name, value)
         if self.momentum == 0:  # a snapshot may hold a buffer momentum 0 never reads
             self.momentum_buffers = None
+
+    def adopt(self, configured: NesterovOuter) -> None:
+        self.lr, self.momentum = configured.lr, configured.momentum
+        self.warmup_rounds, self.warmup_start = configured.warmup_rounds, configured.warmup_start
 
     def convert_state(self, state_dtype: str) -> None:
         """Keep the momentum in `state_dtype` from now on (buffers converted)."""
@@ -235,6 +243,11 @@ class DelayedNesterov:
         """Load a snapshot's `vars()`."""
         for name, value in state.items():
             setattr(self, name, value)
+
+    def adopt(self, configured: DelayedNesterov) -> None:
+        """The lr and momentum; N (`every`) follows the live learners or the config at each
+        push already."""
+        self.lr, self.momentum = configured.lr, configured.momentum
 
     def convert_state(self, state_dtype: str) -> None:
         if state_dtype != "float32":

@@ -11,6 +11,7 @@ shard map (DescribeShards) and what it sees now (Status, for `diloco-status`).
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 from collections.abc import Iterator
@@ -353,4 +354,8 @@ def _shard_status(aggregator: Aggregator) -> pb.StatusResponse:
         fragments=fragments,
         rounds_closed=sum(max(0, f.version) for f in fragments),
         learners=learners,
+        setting_changes=[
+            pb.SettingChange(setting=name, was=json.dumps(was), now=json.dumps(now))
+            for name, was, now in aggregator.setting_changes
+        ],
     )

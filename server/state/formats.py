@@ -7,12 +7,11 @@ records.
         fragment-0.safetensors        the fragment's tensors (parameters, outer state, residual)
         fragment-0.updates            its update log's encoded chains, back to back
 
-A fragment's state (FragmentState.state_dict) is split into JSON and the tensors and bytes it
-holds: a tensor's place in the JSON is {"__tensor__": name} (the safetensors entry), a bytes
-value's is {"__bytes__": [offset, length, crc32]} in the .updates file. The manifest keeps
-every tensor's dtype, shape and CRC32 and every file's size; loading checks them all and every
-error names the file (SnapshotError). Nothing is unpickled: reading a state dir runs no code.
-Tensors are written from their own memory (no copy); safetensors and the CRC release the GIL.
+A fragment's state (FragmentState.state_dict) is split into JSON, tensors ({"__tensor__":
+name}, the safetensors entry) and bytes ({"__bytes__": [offset, length, crc32]} in .updates).
+The manifest keeps every tensor's dtype, shape and CRC32 and every file's size; loading checks
+them all, each error naming the file (SnapshotError). Nothing is unpickled: reading a state
+dir runs no code. Tensors are written from their own memory (no copy).
 """
 
 from __future__ import annotations
@@ -106,8 +105,7 @@ def write_fragment(directory: Path, index: int, state: dict) -> dict:
         for data in blobs:
             offsets.append([f.tell(), len(data), crc32(data)])
             f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    fsync_path(blob_file)
     fields = _join(fields, lambda name: {"__tensor__": name}, lambda i: {"__bytes__": offsets[i]})
     return {
         "fields": fields,
@@ -168,8 +166,7 @@ def _read_fragment(directory: Path, entry: dict) -> dict:
     return _join(entry["fields"], tensors.__getitem__, blob)
 
 
-def _sized(directory: Path, name: str, size: int) -> Path:
-    """The file `name` in `directory`, if it holds the `size` bytes the manifest says."""
+def _sized(directory: Path, name: str, size: int) -> Path:  # if it holds `size` bytes
     file = directory / Path(name).name  # a name, never a path out of the directory
     actual = file.stat().st_size if file.exists() else None
     if actual != size:
@@ -229,6 +226,7 @@ class LogRecord:
     version: int  # the version this step produced
     mean: list[torch.Tensor]
     outer_every: int = 0  # async: Delayed Nesterov's N at this step (it follows membership)
+    admission: dict | None = None  # Admission.durable() as the round closed (JSON)
 
 
 def append_record(f: BinaryIO, record: LogRecord) -> None:
@@ -251,8 +249,7 @@ def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
     """Write all of `data` to the unbuffered file `f` (a raw write may take part of it)."""
     view = memoryview(data).cast("B")
     while view.nbytes:
-        written = f.write(view)
-        if not written:
+        if not (written := f.write(view)):
             raise OSError(f"wrote nothing to {f.name}")
         view = view[written:]
 
@@ -269,12 +266,9 @@ def read_log(path: Path, cut_tail: bool) -> Iterator[LogRecord]:
             count, valid_bytes = count + 1, f.tell()
             yield record
     if valid_bytes < size:
-        log.warning(
-            "%s: dropping a torn or corrupt tail of %d bytes after %d good records",
-            path,
-            size - valid_bytes,
-            count,
-        )
+        tail = size - valid_bytes
+        log.warning("%s: dropping a torn or corrupt tail of %d bytes after %d good records",
+                    path, tail, count)  # fmt: skip
         if cut_tail:
             with open(path, "r+b") as f:
                 f.truncate(valid_bytes)
@@ -285,8 +279,8 @@ def _record_pieces(record: LogRecord) -> list[bytes | memoryview]:
     """The record's bytes in order, its tensors' bytes as views of their own memory."""
     views = [_float32_view(t) for t in record.mean]
     shapes = [list(t.shape) for t in record.mean]
-    fields = {"fragment": record.fragment_id, "version": record.version}
-    meta = json.dumps({**fields, "every": record.outer_every, "shapes": shapes}).encode()
+    meta = json.dumps({"fragment": record.fragment_id, "version": record.version, "every":
+        record.outer_every, "shapes": shapes, "admission": record.admission}).encode()  # fmt: skip
     head = _META_LEN.pack(len(meta)) + meta
     crc = crc32(head)
     for view in views:
@@ -355,10 +349,8 @@ def _read_raw_record(f: BinaryIO, length: int, crc: int) -> LogRecord | None:
         mean.append(t)
     if running != crc:
         return None
-    return LogRecord(int(meta["fragment"]), int(meta["version"]), mean, int(meta["every"]))
-
-
-# ---- What a state dir restores ----------------------------------------------------------
+    fields = int(meta["fragment"]), int(meta["version"]), mean, int(meta["every"])
+    return LogRecord(*fields, meta.get("admission"))
 
 
 @dataclass
@@ -369,6 +361,8 @@ class Restored:
     fingerprint: list[ParamSpec]
     fragments: list[dict]  # FragmentState.state_dict() of each fragment, in fragment order
     updates: Iterator[LogRecord]  # each the next version of its fragment; read it to the end
+    settings: dict  # what the snapshot recorded of the settings ({}: nothing)
+    admission: dict  # Admission.durable(): the snapshot's, updated by each record read
     rewrite: bool = False  # an older server's format: write a snapshot in this one at start
 
 
@@ -377,14 +371,20 @@ def restored_from(snapshot: dict, records: Iterator[LogRecord], where: Path) -> 
     fingerprint = [ParamSpec(n, tuple(shape), d) for n, shape, d in snapshot["fingerprint"]]
     fragments = snapshot["fragments"]
     versions = [state["version"] for state in fragments]
-    return Restored(snapshot["layout"], fingerprint, fragments, _updates(where, records, versions))
+    admission = snapshot.get("admission") or {"norms": {}, "weights": {}}
+    updates = _updates(where, records, versions, admission)
+    settings = snapshot.get("settings", {})
+    return Restored(snapshot["layout"], fingerprint, fragments, updates, settings, admission)
 
 
-def _updates(where: Path, records: Iterator[LogRecord], versions: list[int]):
-    """The log's records that follow the snapshot's `versions`, one in memory at a time."""
+def _updates(where: Path, records: Iterator[LogRecord], versions: list[int], admission: dict):
+    """The log's records that follow the snapshot's `versions`, one in memory at a time;
+    `admission` takes each record's (all of them: the log began with the snapshot)."""
     replayed = 0
     for record in records:
         replayed += 1
+        for key, value in (record.admission or {}).items():
+            admission.setdefault(key, {}).update(value)
         fid = record.fragment_id
         if not 0 <= fid < len(versions):
             raise NotFound(f"fragment {fid} does not exist")

@@ -100,7 +100,9 @@ class GlobalParams:
             fragment = self.fragments[record.fragment_id]
             before_replay(fragment, record.outer_every)
             fragment.apply_mean(record.mean)
-        # Replayed in the snapshot's state dtype; kept in the configured one from now on.
+        # Replayed in the snapshot's settings and state dtype; the configured ones from now on.
+        for fragment in self.fragments:
+            fragment.outer.adopt(self._new_outer())
         changed = [fragment.convert_state() for fragment in self.fragments]  # every one
         if any(changed):
             # Said out loud: from float32 the conversion loses precision for good (the next
@@ -320,6 +322,20 @@ def shard_identity(shard_index: int, shard_count: int) -> dict:
     if shard_count == 1:
         return {}
     return {"shard_index": shard_index, "shard_count": shard_count}
+
+
+def check_state_identity(state_dir: str, recorded: dict, mine: dict) -> None:
+    """Refuse a state dir written with other fixed settings (state identities `recorded`,
+    `mine`), naming each, its value in the dir and here, and what to do."""
+    check_state_dir_shard(state_dir, recorded, mine)
+    differ = [k for k in sorted(recorded.keys() | mine.keys()) if recorded.get(k) != mine.get(k)]
+    if differ:
+        said = "; ".join(f"{k} {recorded.get(k)!r}, this server {mine.get(k)!r}" for k in differ)
+        raise ValueError(
+            f"state dir {state_dir} was written with other fixed settings ({said}): start "
+            f"with the dir's values (flags, DILOCO_* or the config file), or write the model "
+            f"out of it with diloco-export and start on a new state dir"
+        )
 
 
 def check_state_dir_shard(state_dir: str, recorded: dict, mine: dict) -> None:

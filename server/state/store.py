@@ -16,11 +16,10 @@ log's tail can be torn: it is cut off, with a warning. A write that fails stops 
 (StateDirFailed: UNAVAILABLE, health NOT_SERVING) until a restart with the disk back.
 
 A snapshot starts its log, then writes the fragments one at a time off the lock: only the
-one being written is held still (`writing`: its round waits to close), and the rest of the
-server carries on. The last two complete snapshots are kept with their logs: an unreadable
-newest one is set aside (*.bad, a warning names the file) for the one before it; one killed
-half way (*.tmp) is removed at start. An older server's snapshot.pt is read with torch's
-weights-only loader (no code runs) and rewritten in this format at start.
+one being written is held still (`writing`: its round waits to close). The last two complete
+snapshots are kept with their logs: an unreadable newest one is set aside (*.bad, a warning
+names the file) for the one before it; one killed half way (*.tmp) is removed at start. An
+older server's snapshot.pt is read with torch's weights-only loader and rewritten at start.
 """
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ from server.state.formats import (
     write_manifest,
 )
 from server.state.fragment import FragmentState
-from server.state.params import GlobalParams, check_state_dir_shard
+from server.state.params import GlobalParams, check_state_identity
 
 if TYPE_CHECKING:
     from server.aggregator import AggregatorEvents
@@ -99,11 +98,16 @@ class Persistence:
         identity: dict,
         events: AggregatorEvents,
         lock: threading.Condition | None = None,
+        settings: dict | None = None,
+        durable: Callable[[int | None], dict] = lambda fragment_id: {},
     ) -> None:
-        """`identity`: what params.state_identity() gives; `lock`: the Aggregator's."""
+        """`identity`: params.state_identity(); `lock`: the Aggregator's; `settings`: what
+        snapshots record of the settings (config.recorded_settings); `durable`: what else a
+        restart needs (Admission.durable) of one fragment (a record) or all (None: a snapshot)."""
         self.state_dir = config.state_dir
         self._every = config.snapshot_every_versions
-        self._identity = identity
+        self._identity, self._settings, self._durable = identity, settings or {}, durable
+        self._admission: dict = {}  # durable(None) as the snapshot being written began
         self._events = events
         self._lock = lock or threading.Condition()
         self._store = StateStore(config.state_dir) if config.state_dir else None
@@ -122,12 +126,7 @@ class Persistence:
             restored = _restore(self._store)
             if restored is None:
                 return None
-            check_state_dir_shard(self.state_dir, restored.identity, self._identity)
-            if restored.identity != self._identity:
-                raise ValueError(
-                    f"state dir {self.state_dir} was written with {restored.identity}; "
-                    f"start the server with the same settings or a new state dir"
-                )
+            check_state_identity(self.state_dir, restored.identity, self._identity)
         except BaseException:
             self.close()  # a server that cannot start lets the dir go
             raise
@@ -149,8 +148,9 @@ class Persistence:
         if self._store is None:
             return
         self.check_writable()
+        record = LogRecord(fragment_id, version, mean, every, self._durable(fragment_id))
         try:
-            self._store.append(LogRecord(fragment_id, version, mean, every))
+            self._store.append(record)
         except OSError as err:
             self._fail(f"cannot append to {self._store.log_path}: {err.strerror or err}")
             self.check_writable()
@@ -211,6 +211,7 @@ class Persistence:
             self._fail(f"cannot start a snapshot in {self.state_dir}: {err.strerror or err}")
             return False
         self.snapshot_running, self._rounds_since_snapshot = True, 0
+        self._admission = self._durable(None)
         return True
 
     def _write(self, fingerprint, fragments, written) -> None:
@@ -228,7 +229,8 @@ class Persistence:
                         self._lock.notify_all()  # pushes waiting for the fragment (async)
                         if written is not None:
                             _after_writing(written, fragment)
-            header = {"sequence": self._number, "layout": dict(self._identity)}
+            header = {"sequence": self._number, "layout": self._identity}
+            header |= {"settings": self._settings, "admission": self._admission}
             header["fingerprint"] = [(p.name, p.shape, p.dtype) for p in fingerprint]
             self._store.commit_snapshot(self._number, self._tmp, header, entries)
         except Exception as err:  # noqa: BLE001 - any failure to write stops new versions
@@ -289,8 +291,7 @@ class StateStore:
     """The files: numbered snapshots and logs."""
 
     def __init__(self, state_dir: str | Path, read_only: bool = False) -> None:
-        """`read_only`: never write, not even a torn tail's cut (the server may be appending)."""
-        self.dir = Path(state_dir)
+        self.dir = Path(state_dir)  # read_only: no write at all (a server may be appending)
         self.read_only = read_only
         self._held: int | None = None  # the lock file's descriptor while this store has it
         if not read_only:
@@ -313,7 +314,7 @@ class StateStore:
     def _log_file(self, number: int) -> Path:
         return self.dir / f"updates-{number:06d}.log"
 
-    def snapshot_dir(self, number: int) -> Path:
+    def snapshot_dir(self, number: int) -> Path:  # whole once its manifest is there
         return self.dir / f"snapshot-{number:06d}"
 
     def snapshots(self) -> list[int]:
@@ -373,8 +374,7 @@ class StateStore:
         append_record(self._log, record)
 
     def close(self) -> None:  # the next append reopens the log
-        if self._log is not None:
-            self._log.close()
+        with contextlib.closing(self._log) if self._log else contextlib.nullcontext():
             self._log = None
 
     def release(self) -> None:

@@ -340,9 +340,9 @@ def state_digest(aggregator: Aggregator) -> dict[str, Any]:
             # An empty guard is what the defaultdict hands out anyway: not a change.
             "norms": _bits(
                 {
-                    k: list(g._recent)
+                    k: list(g.recent)
                     for k, g in aggregator._admission.norm_guards.items()
-                    if g._recent
+                    if g.recent
                 }
             ),
             "epoch": aggregator.server_epoch,

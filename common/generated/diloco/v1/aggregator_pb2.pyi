@@ -294,8 +294,18 @@ class LearnerStatus(_message.Message):
     last_push_age_s: float
     def __init__(self, learner_id: _Optional[str] = ..., live: _Optional[bool] = ..., last_push_fragment: _Optional[int] = ..., last_push_version: _Optional[int] = ..., last_push_age_s: _Optional[float] = ...) -> None: ...
 
+class SettingChange(_message.Message):
+    __slots__ = ("setting", "was", "now")
+    SETTING_FIELD_NUMBER: _ClassVar[int]
+    WAS_FIELD_NUMBER: _ClassVar[int]
+    NOW_FIELD_NUMBER: _ClassVar[int]
+    setting: str
+    was: str
+    now: str
+    def __init__(self, setting: _Optional[str] = ..., was: _Optional[str] = ..., now: _Optional[str] = ...) -> None: ...
+
 class StatusResponse(_message.Message):
-    __slots__ = ("shard_index", "shard_count", "map_id", "mode", "fragments", "rounds_closed", "learners")
+    __slots__ = ("shard_index", "shard_count", "map_id", "mode", "fragments", "rounds_closed", "learners", "setting_changes")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     MAP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +313,7 @@ class StatusResponse(_message.Message):
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_CLOSED_FIELD_NUMBER: _ClassVar[int]
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
+    SETTING_CHANGES_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     shard_count: int
     map_id: str
@@ -310,4 +321,5 @@ class StatusResponse(_message.Message):
     fragments: _containers.RepeatedCompositeFieldContainer[FragmentStatus]
     rounds_closed: int
     learners: _containers.RepeatedCompositeFieldContainer[LearnerStatus]
-    def __init__(self, shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., map_id: _Optional[str] = ..., mode: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., rounds_closed: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ...) -> None: ...
+    setting_changes: _containers.RepeatedCompositeFieldContainer[SettingChange]
+    def __init__(self, shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., map_id: _Optional[str] = ..., mode: _Optional[str] = ..., fragments: _Optional[_Iterable[_Union[FragmentStatus, _Mapping]]] = ..., rounds_closed: _Optional[int] = ..., learners: _Optional[_Iterable[_Union[LearnerStatus, _Mapping]]] = ..., setting_changes: _Optional[_Iterable[_Union[SettingChange, _Mapping]]] = ...) -> None: ...
