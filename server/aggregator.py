@@ -75,20 +75,19 @@ class Readings:
     _params: GlobalParams
     _store: Persistence
 
+    # The learners' reports and leases have a lock of their own (learners.py).
+
     def median_step_time_s(self) -> float:
         """The live learners' median reported inner-step time (0: none reported)."""
-        with self._cond:
-            return self._learners.median_step_time_s()
+        return self._learners.median_step_time_s()
 
     def schedule_estimate(self) -> int:
         """Where the live learners' schedule is now (server/learners.py); 0: none reported."""
-        with self._cond:
-            return self._learners.schedule_estimate()
+        return self._learners.schedule_estimate()
 
     def schedule_steps(self) -> dict[str, float]:
         """Each reporting learner's schedule step now (differences mod H: phase offsets)."""
-        with self._cond:
-            return self._learners.schedule_steps()
+        return self._learners.schedule_steps()
 
     def state_failure(self) -> str | None:
         """Why the state dir cannot be written, once it failed (no new versions since)."""
@@ -245,10 +244,10 @@ class Aggregator(Readings):
         schedule_step: int = 0,
     ) -> tuple[list[int], int]:
         """Renew a lease and record progress (a report out of bounds: InvalidArgument, no
-        change); returns (fragment versions, live learners)."""
-        with self._cond:
-            self._learners.heartbeat(session_id, step, tokens, loss, step_time_s, schedule_step)
-            return [f.version for f in self._params.fragments], len(self._learners.live())
+        change); returns (fragment versions, live learners). Without the lock: a round's
+        close, a log write or a snapshot never holds up a heartbeat (learners.py)."""
+        self._learners.heartbeat(session_id, step, tokens, loss, step_time_s, schedule_step)
+        return [f.version for f in list(self._params.fragments)], len(self._learners.live())
 
     def tick(self) -> None:
         """Expire leases and close rounds whose grace window has passed (call it often)."""
@@ -343,8 +342,7 @@ class Aggregator(Readings):
 
     def session_learner(self, session_id: str) -> str:
         """The learner id that opened the session, its lease renewed; NotFound when none."""
-        with self._cond:
-            return self._learners.renew(session_id).learner_id
+        return self._learners.renew(session_id).learner_id  # learners.py's lock
 
     def pull(self, session_id: str, fragment_id: int, have_version: int) -> PullResult:
         """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""

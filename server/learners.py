@@ -18,8 +18,13 @@ Heartbeats report progress: inner-step times (the quorum grace window, pacing) a
 steps (where a learner that joins mid-run starts). A report outside the bounds below is
 refused whole (InvalidArgument, its lease not renewed): every learner paces and aligns to
 what the others report, so in the median each learner's step time counts at most
-STEP_TIME_CAP_RATIO times the median of the others'. Not thread-safe on its own: the
-Aggregator calls it with its lock held.
+STEP_TIME_CAP_RATIO times the median of the others'.
+
+Thread safety: sessions and reports have a lock of their own, so that a heartbeat renews its
+lease and reports without the Aggregator's lock, whatever holds that (a round's outer step,
+a slow fsync of the log): the server's own stall never costs a live learner its lease. The
+sessions change (open, close) only under both locks, the Aggregator's first; the records'
+push fields only under the Aggregator's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import secrets
 import statistics
+import threading
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -87,6 +93,7 @@ class Learners:
         self._clock = clock
         self._records: dict[str, Learner] = {}
         self._sessions: dict[str, Learner] = {}  # by session id, in the order they opened
+        self._lock = threading.RLock()  # sessions and reports (module docstring)
 
     def open(self, learner_id: str, tokens_per_step: int = 0) -> Learner:
         """A new session for `learner_id` (which holds none), its lease starting now and
@@ -94,12 +101,13 @@ class Learners:
         learner = self.record(learner_id)
         if learner.session_id:
             raise RuntimeError(f"learner {learner_id} already holds a session")
-        learner.session_id = secrets.token_hex(16)
-        learner.lease_deadline = self._clock() + self.lease_s
-        learner.tokens_per_step = tokens_per_step
-        learner.step, learner.tokens, learner.loss = 0, 0, float("nan")
-        learner.step_time_s, learner.schedule_step, learner.schedule_at = 0.0, 0, 0.0
-        self._sessions[learner.session_id] = learner
+        with self._lock:
+            learner.session_id = secrets.token_hex(16)
+            learner.lease_deadline = self._clock() + self.lease_s
+            learner.tokens_per_step = tokens_per_step
+            learner.step, learner.tokens, learner.loss = 0, 0, float("nan")
+            learner.step_time_s, learner.schedule_step, learner.schedule_at = 0.0, 0, 0.0
+            self._sessions[learner.session_id] = learner
         log.info(
             "learner=%s joined session=%s live=%d",
             learner_id,
@@ -110,11 +118,12 @@ class Learners:
 
     def renew(self, session_id: str) -> Learner:
         """The session's learner, its lease renewed; NotFound when it expired or never was."""
-        learner = self._sessions.get(session_id)
-        if learner is None:
-            raise NotFound("unknown session (it expired or the server restarted); join again")
-        learner.lease_deadline = self._clock() + self.lease_s
-        return learner
+        with self._lock:
+            learner = self._sessions.get(session_id)
+            if learner is None:
+                raise NotFound("unknown session (it expired or the server restarted); join again")
+            learner.lease_deadline = self._clock() + self.lease_s
+            return learner
 
     def of_session(self, session_id: str) -> Learner | None:
         return self._sessions.get(session_id)
@@ -129,14 +138,16 @@ class Learners:
 
     def close(self, learner: Learner, why: str) -> None:
         """End the learner's session (its record stays)."""
-        del self._sessions[learner.session_id]
-        learner.session_id = ""
+        with self._lock:
+            del self._sessions[learner.session_id]
+            learner.session_id = ""
         log.info("learner=%s dropped (%s) live=%d", learner.learner_id, why, len(self._sessions))
 
     def expired(self) -> list[Learner]:
         """The live learners whose lease has run out (the caller closes them)."""
-        now = self._clock()
-        return [s for s in self._sessions.values() if s.lease_deadline < now]
+        with self._lock:
+            now = self._clock()
+            return [s for s in self._sessions.values() if s.lease_deadline < now]
 
     def live(self) -> Collection[Learner]:
         """The learners holding a session, in the order their sessions opened."""
@@ -158,15 +169,16 @@ class Learners:
         """Renew the session's lease and record its progress, once the report passed the
         bounds (InvalidArgument: nothing changes). Unreported (zero) step times and schedule
         steps keep the last ones reported."""
-        if session_id in self._sessions:  # else renew raises NotFound
-            self._check_report(session_id, step_time_s, schedule_step)
-        learner = self.renew(session_id)
-        learner.step, learner.tokens, learner.loss = step, tokens, loss
-        if step_time_s > 0:
-            learner.step_time_s = step_time_s
-        if schedule_step > 0:
-            learner.schedule_step, learner.schedule_at = schedule_step, self._clock()
-        return learner
+        with self._lock:
+            if session_id in self._sessions:  # else renew raises NotFound
+                self._check_report(session_id, step_time_s, schedule_step)
+            learner = self.renew(session_id)
+            learner.step, learner.tokens, learner.loss = step, tokens, loss
+            if step_time_s > 0:
+                learner.step_time_s = step_time_s
+            if schedule_step > 0:
+                learner.schedule_step, learner.schedule_at = schedule_step, self._clock()
+            return learner
 
     def _check_report(self, session_id: str, step_time_s: float, schedule_step: int) -> None:
         if step_time_s != 0 and not MIN_STEP_TIME_S <= step_time_s <= MAX_STEP_TIME_S:
@@ -188,20 +200,20 @@ class Learners:
 
     def median_step_time_s(self) -> float:
         """The live learners' median reported inner-step time (0: none reported)."""
-        return median_step_time_s(s.step_time_s for s in self._sessions.values())
+        with self._lock:
+            return median_step_time_s([s.step_time_s for s in self._sessions.values()])
 
     def schedule_estimate(self) -> int:
         """Where the live learners' schedule is now (estimated_schedule_step); 0: none."""
-        return estimated_schedule_step(
-            ((s.schedule_step, s.schedule_at) for s in self._sessions.values()),
-            self._clock(),
-            self.median_step_time_s(),
-        )
+        with self._lock:
+            reports = [(s.schedule_step, s.schedule_at) for s in self._sessions.values()]
+            return estimated_schedule_step(reports, self._clock(), self.median_step_time_s())
 
     def schedule_steps(self) -> dict[str, float]:
         """Each live learner's schedule step now, for those that have reported one."""
-        steps = self._schedule_steps_by_session()
-        return {self._sessions[sid].learner_id: at for sid, at in steps.items()}
+        with self._lock:
+            steps = self._schedule_steps_by_session()
+            return {self._sessions[sid].learner_id: at for sid, at in steps.items()}
 
     def _schedule_steps_by_session(self) -> dict[str, float]:
         now, step_time_s = self._clock(), self.median_step_time_s()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 
 import grpc
 import pytest
@@ -136,3 +138,37 @@ def test_initial_values_that_cannot_be_made_durable_are_not_taken(tmp_path, monk
     assert agg.version(0) == -1  # another learner's offer is refused too, until a restart
     with pytest.raises(StateDirFailed):
         agg.initialize(session, 0, [torch.ones(64, 33)])
+
+
+def test_an_fsync_that_takes_seconds_drops_no_live_learner(tmp_path, monkeypatch) -> None:
+    """The log's fsync stalls for 4 leases while the aggregator's lock is held (the
+    write-ahead record precedes the step). The other learner's heartbeats are answered
+    meanwhile, so its lease never runs out because of the server's own stall."""
+    agg, a = start(tmp_path, lease_s=0.5, min_contributors=1)
+    b = agg.join("b", SPECS).session_id
+    agg.initialize(a, 0, [torch.zeros(64, 33)])
+    real, stalled = os.fsync, threading.Event()
+
+    def slow_fsync(fd: int) -> None:
+        stalled.set()
+        time.sleep(2.0)
+        real(fd)
+
+    monkeypatch.setattr(formats.os, "fsync", slow_fsync)
+    update = [torch.full((64, 33), 1e-3)]
+    closing = threading.Thread(
+        target=lambda: (agg.push(a, 0, 0, update), agg.push(b, 0, 0, update))
+    )
+    closing.start()
+    assert stalled.wait(timeout=30)
+    answered = []
+    while closing.is_alive() and len(answered) < 100:  # the stall lasts 2 s: about 20
+        started = time.perf_counter()
+        agg.heartbeat(b, step=len(answered))
+        agg.heartbeat(a, step=len(answered))
+        answered.append(time.perf_counter() - started)
+        time.sleep(0.1)
+    closing.join(timeout=30)
+    assert agg.version(0) == 1
+    assert len(answered) >= 10 and max(answered) < 0.25  # half a lease
+    assert agg.expire_leases() == [] and agg.live_learners() == ["a", "b"]
