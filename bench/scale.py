@@ -138,14 +138,7 @@ def run(
         pushes_done = fleet.pushes
         accepted_gb = pushes_done * len(pushes[0]) / 1e9
     finally:
-        # Closing the channels cancels the calls in flight, so the threads end at once.
-        fleet.stop.set()
-        with fleet.advanced:
-            fleet.advanced.notify_all()
-        for client in fleet.clients:
-            client.close()
-        for thread in threads:
-            thread.join(timeout=30)
+        fleet.close(threads)
         stop_all(daemons)
     tensor_mb = model.side * model.side * 4 / 2**20
     owned_mb = [tensor_mb * TENSORS / FRAGMENTS * len(fs) for fs in owned]

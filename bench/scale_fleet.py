@@ -50,6 +50,10 @@ class Fleet:
         self.lock = threading.Lock()
         self.pushes = 0
         self.pull_latencies: list[float] = []
+        # (start, end) of each accepted push (retries included), on time.perf_counter's clock:
+        # bench/snapshots.py sorts them by what the server was doing.
+        self.push_spans: list[tuple[float, float]] = []
+        self.pull_spans: list[tuple[float, float]] = []  # the probe's, likewise
         self.errors: dict[str, int] = {}
         self.error_details: dict[str, str] = {}  # the first message of each code
         self.retried: dict[str, int] = {}  # pushes tried again, by the status that refused them
@@ -120,6 +124,7 @@ class Fleet:
                     )  # fmt: skip
                     # As a learner's sync thread does: a refusal with a retry hint (the
                     # push memory budget is in use) or a deadline is tried again.
+                    started = time.perf_counter()
                     answer = call_with_retry(
                         lambda h=header, f=f: client.push(h, payloads[f]), self.stop,
                         self.count_retry,
@@ -127,6 +132,7 @@ class Fleet:
                     rounds[f] = answer.round_version
                     with self.lock:
                         self.pushes += 1
+                        self.push_spans.append((started, time.perf_counter()))
                 for f in fragments:
                     with self.advanced:  # a watcher long-polls; learners wait here
                         while self.latest[f] < rounds[f] and not self.stop.is_set():
@@ -139,6 +145,17 @@ class Fleet:
                 self.count_error(err)
         except Stopped:
             pass
+
+    def close(self, threads: list[threading.Thread]) -> None:
+        """End the run's `threads`: closing the channels cancels the calls in flight, so
+        the threads end at once."""
+        self.stop.set()
+        with self.advanced:
+            self.advanced.notify_all()
+        for client in self.clients:
+            client.close()
+        for thread in threads:
+            thread.join(timeout=30)
 
     def watch_loop(self, f: int) -> None:
         """Long-poll one fragment's next version and wake the learners waiting for it."""
@@ -156,20 +173,22 @@ class Fleet:
             if not self.stop.is_set():
                 self.count_error(err)
 
-    def probe_loop(self) -> None:
-        """Once a second, pull one available update of each fragment and time it, on
+    def probe_loop(self, every_s: float = 1.0) -> None:
+        """Every `every_s`, pull one available update of each fragment and time it, on
         channels of its own (a learner's are busy with its pushes)."""
         client, session = self.clients[-1], self.sessions[-1]
         try:
-            while not self.stop.wait(1.0):
+            while not self.stop.wait(every_s):
                 for f in range(FRAGMENTS):
                     version = self.latest[f]
                     if version < 1:
                         continue
                     started = time.perf_counter()
                     client.pull(session, f, version - 1, version, 0.0)
+                    ended = time.perf_counter()
                     with self.lock:
-                        self.pull_latencies.append(time.perf_counter() - started)
+                        self.pull_latencies.append(ended - started)
+                        self.pull_spans.append((started, ended))
         except (grpc.RpcError, ValueError) as err:  # ValueError: a channel closed at the end
             if not self.stop.is_set():
                 self.count_error(err)

@@ -75,10 +75,9 @@ class Readings:
     _params: GlobalParams
     _store: Persistence
 
-    # The learners' reports and leases have a lock of their own (learners.py).
-
     def median_step_time_s(self) -> float:
-        """The live learners' median reported inner-step time (0: none reported)."""
+        """The live learners' median reported inner-step time (0: none reported; this and
+        the next two take the learners' own lock, not this one: learners.py)."""
         return self._learners.median_step_time_s()
 
     def schedule_estimate(self) -> int:
@@ -146,10 +145,14 @@ class Readings:
         with self._cond:
             return self._cond.wait_for(lambda: not self._store.snapshot_running, timeout_s)
 
-    def wake(self) -> None:
-        """Make every wait_for_version caller check its `gone` now."""
-        with self._cond:
+    def wake(self, blocking: bool = False) -> None:
+        """Make every wait_for_version caller check its `gone` now. gRPC calls this on the
+        thread every call's events pass through (heartbeats too): it never waits for the lock."""
+        if self._cond.acquire(blocking=blocking):
             self._cond.notify_all()
+            self._cond.release()
+        else:
+            threading.Thread(target=self.wake, args=(True,), name="wake", daemon=True).start()
 
     def params(self, fragment_id: int) -> list[torch.Tensor]:
         """A copy of a fragment's global parameters (for tests and checkpoints)."""
@@ -309,8 +312,6 @@ class Aggregator(Readings):
         adds, ticket, nothing_queued = None, None, False
         try:
             with self._cond:
-                while self._policy.one_push_per_round and self._store.writing(fragment_id):
-                    self._cond.wait()  # its round cannot close while a snapshot writes it
                 learner, fragment = self._checked(session_id, fragment_id, base_version, False)
                 adds = fragment.round.adds  # this round's, though the push may close it
                 live = self._learners.live()
@@ -373,10 +374,7 @@ class Aggregator(Readings):
             self._maybe_close(fragment)
 
     def _maybe_close(self, fragment: FragmentState) -> None:
-        """Close the round if the mode's policy says so (rounds/policy.py), once a snapshot
-        writing the fragment is done with it (which calls this again)."""
-        if self._store.writing(fragment.fragment_id):
-            return
+        """Close the round if the mode's policy says so (rounds/policy.py)."""
         opened_at = fragment.round.opened_at
         record = functools.partial(self._store.record, fragment.fragment_id)  # the write-ahead
         summary = self._policy.close(fragment, self._learners.live(), record)
@@ -385,7 +383,7 @@ class Aggregator(Readings):
         round_s = self._clock() - opened_at if opened_at is not None else 0.0
         self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
         if self._store.round_closed():  # written off the lock; a failure stops new versions
-            self._store.start_snapshot(self._params, self._maybe_close)
+            self._store.start_snapshot(self._params)
         log.info(
             "fragment=%d version=%d contributors=%d tokens=%d outer_step_s=%.4f",
             fragment.fragment_id,

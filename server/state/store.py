@@ -4,7 +4,7 @@
     restored = persistence.restore()        # at start: a snapshot and the log's steps, or None
     restored = read_state_dir(path)         # the same, changing nothing (diloco-export)
     persistence.record(fragment_id, version, mean, every)      # each closed round, fsynced
-    if persistence.round_closed(): persistence.start_snapshot(params, written)  # off the lock
+    if persistence.round_closed(): persistence.start_snapshot(params)  # written off the lock
 
     state_dir/snapshot-<n>/     snapshot n (formats.py), a directory renamed into place whole
     state_dir/updates-<n>.log   the records of the rounds closed since snapshot n began
@@ -15,11 +15,12 @@ its number on replay through the same deterministic outer step, bit-identical. O
 log's tail can be torn: it is cut off, with a warning. A write that fails stops new versions
 (StateDirFailed: UNAVAILABLE, health NOT_SERVING) until a restart with the disk back.
 
-A snapshot starts its log, then writes the fragments one at a time off the lock: only the
-one being written is held still (`writing`: its round waits to close). The last two complete
-snapshots are kept with their logs: an unreadable newest one is set aside (*.bad, a warning
-names the file) for the one before it; one killed half way (*.tmp) is removed at start. An
-older server's snapshot.pt is read with torch's weights-only loader and rewritten at start.
+A snapshot starts its log, then takes the fragments one at a time: a copy of one fragment's
+state under the lock (a memory copy, as long as an outer step), written out off the lock
+while the server carries on, rounds included. The last two snapshots are kept with their
+logs: an unreadable newest one is set aside (*.bad, a warning names it) for the one before;
+one killed half way (*.tmp) is removed at start. An older server's snapshot.pt is read with
+torch's weights-only loader and rewritten at start.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from server.state.formats import (
     write_fragment,
     write_manifest,
 )
-from server.state.fragment import FragmentState
 from server.state.params import GlobalParams, check_state_identity
 
 if TYPE_CHECKING:
@@ -113,7 +113,6 @@ class Persistence:
         self._store = StateStore(config.state_dir) if config.state_dir else None
         self._rounds_since_snapshot = 0
         self.snapshot_running = False
-        self._writing: int | None = None  # the fragment a snapshot is writing now
         self.failure: str | None = None  # why the state dir cannot be written, once it failed
 
     def restore(self) -> Restored | None:
@@ -178,29 +177,24 @@ class Persistence:
         self._rounds_since_snapshot += 1
         return self._rounds_since_snapshot >= self._every
 
-    def writing(self, fragment_id: int) -> bool:
-        """Whether a snapshot is writing this fragment now (its round must not close)."""
-        return self._writing == fragment_id
-
     def snapshot(self, params: GlobalParams) -> None:
         """Write the whole state now, holding the lock (after one being written ends)."""
         if self._store is None:
             return
-        while self.snapshot_running:
-            self._lock.wait()
+        self._lock.wait_for(lambda: not self.snapshot_running)
         self.check_writable()
         self._begin()
-        self._write(params.fingerprint or [], params.fragments, None)
+        self._write(params.fingerprint or [], params.fragments, off_lock=False)
         self.check_writable()
 
-    def start_snapshot(self, params: GlobalParams, written: Callable[[FragmentState], None]):
-        """Write the state off the lock, a fragment at a time, calling `written(fragment)`
-        under the lock after each; nothing if one is being written already."""
+    def start_snapshot(self, params: GlobalParams) -> None:
+        """Write the state off the lock, a copy of one fragment at a time (taken under the
+        lock); nothing if one is being written already."""
         if self._store is None or self.snapshot_running or self.failure is not None:
             return
         if not self._begin():
             return
-        args = (list(params.fingerprint or []), list(params.fragments), written)
+        args = (list(params.fingerprint or []), list(params.fragments), True)
         threading.Thread(target=self._write, args=args, name="snapshot", daemon=True).start()
 
     def _begin(self) -> bool:
@@ -214,21 +208,17 @@ class Persistence:
         self._admission = self._durable(None)
         return True
 
-    def _write(self, fingerprint, fragments, written) -> None:
-        held = contextlib.nullcontext() if written is None else self._lock
+    def _write(self, fingerprint, fragments, off_lock: bool) -> None:
+        """Write the snapshot, `off_lock` from a copy of each fragment taken under the lock
+        (else the caller holds the lock throughout: no copy is needed)."""
+        held = self._lock if off_lock else contextlib.nullcontext()
         started, entries, failure = time.perf_counter(), [], None
         try:
             for fragment in fragments:
                 with held:
-                    self._writing, state = fragment.fragment_id, fragment.state_dict()
-                try:
-                    entries.append(write_fragment(self._tmp, fragment.fragment_id, state))
-                finally:
-                    with held:
-                        self._writing = None
-                        self._lock.notify_all()  # pushes waiting for the fragment (async)
-                        if written is not None:
-                            _after_writing(written, fragment)
+                    state = fragment.state_dict(copy=off_lock)
+                entries.append(write_fragment(self._tmp, fragment.fragment_id, state))
+                del state  # one fragment's copy at a time
             header = {"sequence": self._number, "layout": self._identity}
             header |= {"settings": self._settings, "admission": self._admission}
             header["fingerprint"] = [(p.name, p.shape, p.dtype) for p in fingerprint]
@@ -245,18 +235,10 @@ class Persistence:
 
     def close(self) -> None:
         """Release the dir (after the last snapshot); nothing is written from then on."""
-        while self.snapshot_running:
-            self._lock.wait()
+        self._lock.wait_for(lambda: not self.snapshot_running)
         if self._store is not None:
             self._store.release()
             self._store = None
-
-
-def _after_writing(written: Callable[[FragmentState], None], fragment: FragmentState) -> None:
-    try:  # a postponed close, whose failure is its own: it must not stop the snapshot
-        written(fragment)
-    except Exception:  # noqa: BLE001
-        log.exception("after writing fragment %d to a snapshot", fragment.fragment_id)
 
 
 def read_state_dir(state_dir: str | Path) -> Restored | None:
