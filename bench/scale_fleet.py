@@ -54,6 +54,7 @@ class Fleet:
         # bench/snapshots.py sorts them by what the server was doing.
         self.push_spans: list[tuple[float, float]] = []
         self.pull_spans: list[tuple[float, float]] = []  # the probe's, likewise
+        self.closes: list[float] = []  # when the watchers saw each new version, likewise
         self.errors: dict[str, int] = {}
         self.error_details: dict[str, str] = {}  # the first message of each code
         self.retried: dict[str, int] = {}  # pushes tried again, by the status that refused them
@@ -168,6 +169,7 @@ class Fleet:
                     version = head.version
                     with self.advanced:
                         self.latest[f] = version
+                        self.closes.append(time.perf_counter())
                         self.advanced.notify_all()
         except (grpc.RpcError, ValueError) as err:  # ValueError: a channel closed at the end
             if not self.stop.is_set():

@@ -31,27 +31,23 @@ from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from common.atomic import atomic_write
 from common.checksum import crc32
 from common.errors import NotFound
+from common.tensor_file import TensorFileImage
 from server.state.params import ParamSpec
 
 log = logging.getLogger(__name__)
 
 FORMAT = "diloco-state-snapshot"
 FORMAT_VERSION = 1
+FORMAT_KEY = (FORMAT, FORMAT_VERSION)
 MANIFEST = "manifest.json"
 
 
 class SnapshotError(ValueError):
     """A snapshot that cannot be read as written; the message names the file."""
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, uncopied when it is contiguous (any dtype, bfloat16 included)."""
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def _split(value: Any, tensors: dict[str, torch.Tensor], blobs: list[bytes]) -> Any:
@@ -86,19 +82,25 @@ def _join(value: Any, tensor: Callable[[str], torch.Tensor], blob: Callable[[lis
     return value
 
 
-def write_fragment(directory: Path, index: int, state: dict) -> dict:
-    """Write one fragment's state into `directory` (fsynced); returns its manifest entry."""
+def prepare_fragment(state: dict) -> tuple[Any, TensorFileImage, list[bytes]]:
+    """One fragment's state (FragmentState.state_dict) ready to write: its JSON fields, its
+    tensors copied into their file's image (under the caller's lock: the copy is the only
+    one), and its update chains (bytes: immutable, so not copied)."""
     tensors: dict[str, torch.Tensor] = {}
     blobs: list[bytes] = []
     fields = _split(state, tensors, blobs)
+    return fields, TensorFileImage(tensors), blobs
+
+
+def write_fragment(directory: Path, index: int, prepared: tuple) -> dict:
+    """Write a prepared fragment into `directory` (fsynced); returns its manifest entry."""
+    fields, image, blobs = prepared
     tensor_file = directory / f"fragment-{index}.safetensors"
-    save_file({k: t.contiguous() for k, t in tensors.items()}, tensor_file)
-    fsync_path(tensor_file)
-    specs = {
-        name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        | {"crc32": crc32(_tensor_bytes(t))}
-        for name, t in tensors.items()
-    }
+    try:
+        image.write(tensor_file)
+        specs = image.specs()  # dtype, shape and CRC32 of each tensor
+    finally:
+        image.close()
     blob_file = directory / f"fragment-{index}.updates"
     offsets = []
     with open(blob_file, "wb") as f:
@@ -129,12 +131,9 @@ def read_snapshot(directory: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise SnapshotError(f"{path}: unreadable manifest ({err})") from err
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise SnapshotError(
-            f"{path}: format {manifest.get('format')!r} version "
-            f"{manifest.get('format_version')!r}; this server reads {FORMAT!r} version "
-            f"{FORMAT_VERSION}"
-        )
+    found, known = (manifest.get("format"), manifest.get("format_version")), FORMAT_KEY
+    if found != known:
+        raise SnapshotError(f"{path}: format and version {found}; this server reads {known}")
     try:
         fragments = [_read_fragment(directory, entry) for entry in manifest["fragments"]]
     except (KeyError, TypeError) as err:
@@ -182,7 +181,7 @@ def _checked(file: Path, name: str, t: torch.Tensor, spec: dict) -> torch.Tensor
             f"{spec['dtype']} {spec['shape']}"
         )
     owned = t.clone()  # in memory of its own, not a mapping of the file
-    if crc32(_tensor_bytes(owned)) != spec["crc32"]:
+    if crc32(owned.reshape(-1).view(torch.uint8).numpy()) != spec["crc32"]:
         raise SnapshotError(f"{file}: tensor {name} fails its checksum")
     return owned
 

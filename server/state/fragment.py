@@ -127,18 +127,16 @@ class FragmentState:
             self._apply_quantized(mean)
         self.version += 1
 
-    def state_dict(self, copy: bool = False) -> dict:
+    def state_dict(self) -> dict:
         """Everything needed to resume this fragment exactly: parameters, version, outer
-        optimizer state, error-feedback residual and the log of quantized updates; with
-        `copy`, in tensors of its own (a snapshot writes them while rounds go on)."""
-        state = {
+        optimizer state, error-feedback residual and the log of quantized updates."""
+        return {
             "version": self.version,
             "params": self.params,
             "outer": dict(vars(self.outer)),
             "residual": self._residual,
             "updates": list(self._updates),
         }
-        return _copied(state) if copy else state
 
     def load_state_dict(self, state: dict) -> None:
         self.version = state["version"]
@@ -267,12 +265,3 @@ class FragmentState:
                 self._current_crc32(),
             )
         return self._snapshot
-
-
-def _copied(value):
-    """`value` (a state_dict) with every tensor copied."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    return [_copied(v) for v in value] if isinstance(value, (list, tuple)) else value

@@ -16,8 +16,9 @@ log's tail can be torn: it is cut off, with a warning. A write that fails stops 
 (StateDirFailed: UNAVAILABLE, health NOT_SERVING) until a restart with the disk back.
 
 A snapshot starts its log, then takes the fragments one at a time: a copy of one fragment's
-state under the lock (a memory copy, as long as an outer step), written out off the lock
-while the server carries on, rounds included. The last two snapshots are kept with their
+state under the lock (into its file's image: a memory copy, shorter than an outer step),
+written out off the lock (O_DIRECT) while the next one is copied and the server carries on,
+rounds included. The last two snapshots are kept with their
 logs: an unreadable newest one is set aside (*.bad, a warning names it) for the one before;
 one killed half way (*.tmp) is removed at start. An older server's snapshot.pt is read with
 torch's weights-only loader and rewritten at start.
@@ -34,6 +35,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
@@ -47,6 +49,7 @@ from server.state.formats import (
     SnapshotError,
     append_record,
     fsync_path,
+    prepare_fragment,
     read_legacy_snapshot,
     read_log,
     read_snapshot,
@@ -188,7 +191,7 @@ class Persistence:
         self.check_writable()
 
     def start_snapshot(self, params: GlobalParams) -> None:
-        """Write the state off the lock, a copy of one fragment at a time (taken under the
+        """Write the state off the lock, a copy of a fragment at a time (taken under the
         lock); nothing if one is being written already."""
         if self._store is None or self.snapshot_running or self.failure is not None:
             return
@@ -209,16 +212,26 @@ class Persistence:
         return True
 
     def _write(self, fingerprint, fragments, off_lock: bool) -> None:
-        """Write the snapshot, `off_lock` from a copy of each fragment taken under the lock
-        (else the caller holds the lock throughout: no copy is needed)."""
+        """Write the snapshot, `off_lock` taking the lock for each fragment's copy (else the
+        caller holds it throughout)."""
         held = self._lock if off_lock else contextlib.nullcontext()
         started, entries, failure = time.perf_counter(), [], None
         try:
-            for fragment in fragments:
-                with held:
-                    state = fragment.state_dict(copy=off_lock)
-                entries.append(write_fragment(self._tmp, fragment.fragment_id, state))
-                del state  # one fragment's copy at a time
+            # Each fragment's copy (its file's image) under the lock, its write off it, while
+            # the next one is copied: at most two copies at a time.
+            with ThreadPoolExecutor(1, thread_name_prefix="snapshot-write") as writer:
+                writing: Future | None = None
+                for fragment in fragments:
+                    with held:
+                        prepared = prepare_fragment(fragment.state_dict())
+                    if writing is not None:
+                        entries.append(writing.result())
+                    writing = writer.submit(
+                        write_fragment, self._tmp, fragment.fragment_id, prepared
+                    )
+                    del prepared
+                if writing is not None:
+                    entries.append(writing.result())
             header = {"sequence": self._number, "layout": self._identity}
             header |= {"settings": self._settings, "admission": self._admission}
             header["fingerprint"] = [(p.name, p.shape, p.dtype) for p in fingerprint]

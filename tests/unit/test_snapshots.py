@@ -100,8 +100,10 @@ def test_the_server_goes_on_while_a_snapshot_is_written(tmp_path, monkeypatch) -
     assert agg.wait_for_snapshot(WAIT_S)
     assert_same(agg, reference)
     written = read_snapshot(max(tmp_path.glob("snapshot-*")))
-    # Fragment 0 as copied before its write; fragment 1 as copied after it, rounds later.
-    assert [f["version"] for f in written["fragments"]] == [2, 4]
+    # Fragment 0 as copied before its write was held; fragment 1 as copied while it was
+    # held, before or after some of its rounds here (the copy runs beside them).
+    versions = [f["version"] for f in written["fragments"]]
+    assert versions[0] == 2 and 2 <= versions[1] <= 4
     kill(agg)
     restarted, _ = start(tmp_path, snapshot_every_versions=2)
     assert_same(restarted, reference)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import server.state.formats as formats
+from common.tensor_file import TensorFileImage
 from server.aggregator import Aggregator
 from server.config import aggregator_config
 from server.state.params import ParamSpec
@@ -117,7 +118,7 @@ def test_a_snapshot_that_cannot_be_written_keeps_the_step_it_followed(
     agg, session = start(tmp_path, snapshot_every_versions=2)
     agg.initialize(session, 0, [torch.ones(64, 33)])
     push(agg, session, 1)
-    fails_once(monkeypatch, "save_file", OSError(errno.ENOSPC, "No space left"), formats)
+    fails_once(monkeypatch, "write", OSError(errno.ENOSPC, "No space left"), TensorFileImage)
     assert push(agg, session, 2) == 2  # logged before the snapshot was due: it stands
     assert agg.wait_for_snapshot(timeout_s=60)  # written off the lock, and failed
     assert agg.version(0) == 2 and "No space left" in agg.state_failure()
@@ -132,7 +133,7 @@ def test_a_snapshot_that_cannot_be_written_keeps_the_step_it_followed(
 
 def test_initial_values_that_cannot_be_made_durable_are_not_taken(tmp_path, monkeypatch) -> None:
     agg, session = start(tmp_path)
-    fails_once(monkeypatch, "save_file", OSError(errno.EIO, "Input/output error"), formats)
+    fails_once(monkeypatch, "write", OSError(errno.EIO, "Input/output error"), TensorFileImage)
     with pytest.raises(StateDirFailed, match=r"snapshot-000001.tmp: Input/output error"):
         agg.initialize(session, 0, [torch.ones(64, 33)])
     assert agg.version(0) == -1  # another learner's offer is refused too, until a restart

@@ -1,0 +1,113 @@
+"""A safetensors file written from one page-aligned image: safetensors reads back every dtype a
+snapshot holds, bit for bit, with the CRCs of the bytes written; a filesystem that refuses
+O_DIRECT gets the same bytes through the page cache, said once."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import common.tensor_file as tensor_file
+from common.checksum import crc32
+from common.tensor_file import PAGE, TensorFileImage
+
+TENSORS = {
+    "params": torch.randn(33, 17),
+    "momentum": torch.randn(5, 3).to(torch.bfloat16),
+    "half": torch.randn(7).to(torch.float16),
+    "steps": torch.arange(5, dtype=torch.int64),
+    "empty": torch.zeros(0, 4),
+    "scalar": torch.tensor(2.5),
+    "strided": torch.randn(6, 4).t(),  # not contiguous: written as its logical values
+}
+
+
+def written(path, tensors) -> dict[str, dict]:
+    image = TensorFileImage(tensors)
+    try:
+        image.write(path)
+        return image.specs()
+    finally:
+        image.close()
+
+
+def test_safetensors_reads_back_every_tensor_bit_for_bit(tmp_path) -> None:
+    path = tmp_path / "f.safetensors"
+    specs = written(path, TENSORS)
+    with safe_open(path, framework="pt") as f:
+        assert set(f.keys()) == set(TENSORS)
+        for name, expected in TENSORS.items():
+            got = f.get_tensor(name)
+            assert got.dtype == expected.dtype and got.shape == expected.shape
+            assert torch.equal(got, expected)
+            raw = got.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert specs[name] == {
+                "dtype": str(expected.dtype).removeprefix("torch."),
+                "shape": list(expected.shape),
+                "crc32": crc32(raw),
+            }
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert (8 + header_len) % PAGE == 0  # the data starts on a page boundary
+
+
+def test_the_copy_is_taken_when_the_image_is_built(tmp_path) -> None:
+    """A snapshot builds the image under the lock and writes it after: later changes to the
+    tensors are not in the file."""
+    t = torch.zeros(1000)
+    image = TensorFileImage({"t": t})
+    t.add_(1.0)
+    image.write(tmp_path / "f.safetensors")
+    image.close()
+    with safe_open(tmp_path / "f.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("t"), torch.zeros(1000))
+
+
+def test_a_filesystem_without_o_direct_gets_the_same_bytes(tmp_path, monkeypatch, caplog) -> None:
+    direct = tmp_path / "direct.safetensors"
+    written(direct, TENSORS)
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(tensor_file.os, "open", no_direct)
+    monkeypatch.setattr(tensor_file, "_direct_refused", set())
+    with caplog.at_level(logging.INFO, logger="common.tensor_file"):
+        for name in ("a.safetensors", "b.safetensors"):
+            written(tmp_path / name, TENSORS)
+    assert (tmp_path / "a.safetensors").read_bytes() == direct.read_bytes()
+    assert caplog.text.count("takes no O_DIRECT writes") == 1
+
+
+def test_a_dtype_safetensors_cannot_hold_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match="tensor c: a snapshot cannot hold torch.complex64"):
+        TensorFileImage({"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_a_write_that_fails_raises_its_own_error_and_frees_the_image(tmp_path, monkeypatch):
+    """ENOSPC half way: the caller sees ENOSPC, not a complaint that the image's memory is
+    still in use when it is closed on the way out."""
+    monkeypatch.setattr(tensor_file, "WRITE_BLOCK", PAGE)
+    real_write, calls = os.write, []
+
+    def fills_up(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            del data  # as os.write, which keeps no reference to what it was given
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(tensor_file.os, "write", fills_up)
+    image = TensorFileImage({"t": torch.randn(4 * PAGE)})
+    with pytest.raises(OSError, match="No space left on device"):
+        try:
+            image.write(tmp_path / "f.safetensors")
+        finally:
+            image.close()  # as a snapshot does, while the error is on its way
