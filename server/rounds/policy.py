@@ -204,16 +204,17 @@ class RoundPolicy:
         if not self.ready(rnd, live):
             return None
         started = time.perf_counter()
-        setting = self.before_close(fragment, len(live))
-        mean = rnd.mean(self.expected_weight(rnd, live), self.config.trim_fraction)
-        mean_s = time.perf_counter() - started
-        try:
-            record(fragment.version + 1, mean, setting)
-        finally:
-            fragment.round = rnd.next()  # the mean's buffers are the next round's sum
-        started = time.perf_counter()
-        fragment.apply_mean(mean)
-        step_s = mean_s + time.perf_counter() - started
+        with fragment.state_lock:  # a snapshot copies the fragment before or after the step
+            setting = self.before_close(fragment, len(live))
+            mean = rnd.mean(self.expected_weight(rnd, live), self.config.trim_fraction)
+            mean_s = time.perf_counter() - started
+            try:
+                record(fragment.version + 1, mean, setting)
+            finally:
+                fragment.round = rnd.next()  # the mean's buffers are the next round's sum
+            started = time.perf_counter()
+            fragment.apply_mean(mean)
+            step_s = mean_s + time.perf_counter() - started
         return RoundSummary(fragment.version, rnd.pushes, rnd.tokens, step_s)
 
     def before_close(self, fragment: FragmentState, live: int) -> int:

@@ -103,16 +103,20 @@ class FragmentState:
         self._update_bytes = 0  # Σ len(data) over _updates
         self._snapshot: PullResult | None = None
         self._params_lock = threading.Lock()  # TensorBytes reads vs. freezing before a step
+        # Held (inside the Aggregator's lock) while the state changes; a snapshot copies the
+        # state holding only this one, so it waits for no other fragment's round.
+        self.state_lock = threading.Lock()
         self.snapshots_frozen = 0  # snapshot tensors copied because a pull still streamed them
         self._crc: tuple[int, int] | None = None  # (version, params_crc32)
         self._numel = sum(math.prod(shape) for shape in shapes)
 
     def initialize(self, tensors: list[torch.Tensor]) -> None:
-        self.params = [
+        params = [
             t.detach().to(torch.float32).clone(memory_format=torch.contiguous_format)
             for t in tensors
         ]
-        self.version = 0
+        with self.state_lock:
+            self.params, self.version = params, 0
 
     def apply_mean(self, mean: list[torch.Tensor]) -> None:
         """One outer step along the round's mean pseudo-gradient; deterministic, so replaying

@@ -16,9 +16,9 @@ log's tail can be torn: it is cut off, with a warning. A write that fails stops 
 (StateDirFailed: UNAVAILABLE, health NOT_SERVING) until a restart with the disk back.
 
 A snapshot starts its log, then takes the fragments one at a time: a copy of one fragment's
-state under the lock (into its file's image: a memory copy, shorter than an outer step),
-written out off the lock (O_DIRECT) while the next one is copied and the server carries on,
-rounds included. The last two snapshots are kept with their
+state (into its file's image) under that fragment's own state lock, not the Aggregator's,
+written out (O_DIRECT) while the next one is copied and the server carries on, rounds
+included. The last two snapshots are kept with their
 logs: an unreadable newest one is set aside (*.bad, a warning names it) for the one before;
 one killed half way (*.tmp) is removed at start. An older server's snapshot.pt is read with
 torch's weights-only loader and rewritten at start.
@@ -212,17 +212,18 @@ class Persistence:
         return True
 
     def _write(self, fingerprint, fragments, off_lock: bool) -> None:
-        """Write the snapshot, `off_lock` taking the lock for each fragment's copy (else the
-        caller holds it throughout)."""
+        """Write the snapshot, `off_lock` taking each fragment's own state lock for its copy
+        (else the caller holds the Aggregator's lock throughout)."""
         held = self._lock if off_lock else contextlib.nullcontext()
+        nothing = contextlib.nullcontext()
         started, entries, failure = time.perf_counter(), [], None
         try:
-            # Each fragment's copy (its file's image) under the lock, its write off it, while
-            # the next one is copied: at most two copies at a time.
+            # Each fragment's copy (its file's image) under its state lock, its write off it,
+            # while the next one is copied: at most two copies at a time.
             with ThreadPoolExecutor(1, thread_name_prefix="snapshot-write") as writer:
                 writing: Future | None = None
                 for fragment in fragments:
-                    with held:
+                    with fragment.state_lock if off_lock else nothing:
                         prepared = prepare_fragment(fragment.state_dict())
                     if writing is not None:
                         entries.append(writing.result())

@@ -233,3 +233,40 @@ def test_an_older_servers_state_dir_is_read_and_rewritten(tmp_path) -> None:
     assert_same(restarted, reference)
     assert not (older / "snapshot.pt").exists() and not (older / "updates.log").exists()
     assert (older / "snapshot-000001" / "manifest.json").exists()
+
+
+def test_a_snapshot_copies_each_fragment_without_the_aggregators_lock(
+    tmp_path, monkeypatch
+) -> None:
+    """Each copy takes only its fragment's state lock: while another caller holds the
+    aggregator's lock (a round's close, for seconds at real size), a snapshot still copies
+    every fragment."""
+    agg, s = start(tmp_path, snapshot_every_versions=2)
+    rounds(agg, s, range(1), initialize=True)
+    first_copy, go = threading.Event(), threading.Event()
+    real = store_module.prepare_fragment
+
+    def waits_once(state):
+        if not first_copy.is_set():
+            first_copy.set()
+            go.wait(WAIT_S)
+        return real(state)
+
+    monkeypatch.setattr(store_module, "prepare_fragment", waits_once)
+    held = HeldWrite(monkeypatch, fragment=1)  # reached once both fragments are copied
+    agg.push(s, 0, 1, delta(0, 1))
+    agg.push(s, 1, 1, delta(1, 1))  # a snapshot is due
+    assert first_copy.wait(WAIT_S)
+    acquired = agg._cond.acquire(timeout=2)
+    try:
+        go.set()
+        assert acquired, "the snapshot's copy held the aggregator's lock"
+        assert held.entered.wait(WAIT_S)  # both copied while this thread held the lock
+    finally:
+        if acquired:
+            agg._cond.release()
+        held.release()
+    assert agg.wait_for_snapshot(WAIT_S)
+    kill(agg)
+    restarted, _ = start(tmp_path, snapshot_every_versions=2)
+    assert [restarted.version(f) for f in (0, 1)] == [2, 2]
