@@ -183,6 +183,8 @@ def disk_write_s(directory: Path, nbytes: int) -> float:
 def _write_s(directory: Path, nbytes: int, direct: bool) -> float:
     block, path = mmap.mmap(-1, DISK_BLOCK), directory / "disk-speed.tmp"  # page-aligned
     block.write(os.urandom(DISK_BLOCK))
+    if direct and not hasattr(os, "O_DIRECT"):
+        return math.inf
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     try:
         fd = os.open(path, flags, 0o644)

@@ -32,6 +32,7 @@ from common.checksum import crc32
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every write is buffered
 WRITE_BLOCK = 8 << 20  # bytes a write() call hands over
 _DTYPES = {
     torch.float64: "F64",
@@ -94,7 +95,7 @@ class TensorFileImage:
     def write(self, path: Path) -> None:
         """Write the file at `path` (new or replaced) and fsync it."""
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644)
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
