@@ -46,7 +46,7 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_direct_refused: set[str] = set()  # the directories that refused O_DIRECT, said once each
+_direct_refused: set[int] = set()  # the filesystems (st_dev) that refused O_DIRECT, said once
 
 
 class TensorFileImage:
@@ -94,16 +94,20 @@ class TensorFileImage:
 
     def write(self, path: Path) -> None:
         """Write the file at `path` (new or replaced) and fsync it."""
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT, 0o644)
-        except OSError as err:
-            if err.errno != errno.EINVAL:
-                raise
-            if str(path.parent) not in _direct_refused:
-                _direct_refused.add(str(path.parent))
+        device = os.stat(path.parent).st_dev
+        if O_DIRECT and device not in _direct_refused:
+            try:
+                return self._write(path, O_DIRECT)
+            except OSError as err:  # at open, or at a write (some FUSE and overlay mounts)
+                if err.errno != errno.EINVAL:
+                    raise
+                _direct_refused.add(device)
                 log.info("%s takes no O_DIRECT writes: snapshots go through the page cache",
                          path.parent)  # fmt: skip
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write(path, 0)
+
+    def _write(self, path: Path, direct: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o644)
         # Whole pages from an aligned buffer (O_DIRECT), then cut to the file's size. The
         # view is released even on an error, whose traceback would keep it (and the buffer).
         end, written = math.ceil(self.size / PAGE) * PAGE, 0

@@ -269,9 +269,7 @@ class Aggregator(Readings):
     def expire_leases(self) -> list[str]:
         """Drop every session whose lease has run out; returns their learner ids."""
         with self._cond:
-            expired = self._learners.expired()
-            for learner in expired:
-                self._drop(learner, "lease expired")
+            expired = [x for x in self._learners.expired() if self._drop(x, "lease expired", True)]
             return [learner.learner_id for learner in expired]
 
     def check_push(
@@ -284,7 +282,8 @@ class Aggregator(Readings):
 
     def initialize(self, session_id: str, fragment_id: int, tensors: list[torch.Tensor]) -> int:
         """Adopt a learner's initial parameters as version 0 of a fragment that has none."""
-        with self._cond:
+        with self._cond:  # a snapshot being written first: the wait gives the lock up
+            self._cond.wait_for(lambda: not self._store.snapshot_running)
             _, fragment = self._checked(session_id, fragment_id, -1, initial=True)
             check_shapes(fragment_id, fragment.shapes, [tuple(t.shape) for t in tensors])
             fragment.initialize(tensors)
@@ -366,12 +365,14 @@ class Aggregator(Readings):
         self._admission.check_header(learner, fragment, base_version, initial)
         return learner, fragment
 
-    def _drop(self, learner: Learner, why: str) -> None:
+    def _drop(self, learner: Learner, why: str, if_expired: bool = False) -> bool:
         # Its excuses go (a rejoin starts clean); its accepted pushes stay in their rounds.
-        self._learners.close(learner, why)
+        if not self._learners.close(learner, why, if_expired):
+            return False  # a heartbeat renewed it meanwhile (heartbeats take no lock of ours)
         for fragment in self._params.fragments:
             fragment.round.forget(learner.learner_id)
             self._maybe_close(fragment)
+        return True
 
     def _maybe_close(self, fragment: FragmentState) -> None:
         """Close the round if the mode's policy says so (rounds/policy.py)."""

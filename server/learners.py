@@ -136,12 +136,16 @@ class Learners:
         """The learner's record, live or not (None: never joined)."""
         return self._records.get(learner_id)
 
-    def close(self, learner: Learner, why: str) -> None:
-        """End the learner's session (its record stays)."""
+    def close(self, learner: Learner, why: str, if_expired: bool = False) -> bool:
+        """End the learner's session (its record stays); with `if_expired`, only if its lease
+        ran out still (a heartbeat may have renewed it since expired()). True if ended."""
         with self._lock:
+            if if_expired and learner.lease_deadline >= self._clock():
+                return False
             del self._sessions[learner.session_id]
             learner.session_id = ""
         log.info("learner=%s dropped (%s) live=%d", learner.learner_id, why, len(self._sessions))
+        return True
 
     def expired(self) -> list[Learner]:
         """The live learners whose lease has run out (the caller closes them)."""

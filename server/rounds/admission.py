@@ -102,7 +102,11 @@ class Admission:
         fids = self.norm_guards if fragment_id is None else [fragment_id]
         return {
             "norms": {str(f): list(self.norm_guards[f].recent) for f in fids},
-            "weights": {x.learner_id: x.last_weight for x in learners.everyone() if x.last_weight},
+            "weights": {
+                x.learner_id: x.last_weight
+                for x in learners.everyone()
+                if x.last_weight is not None
+            },
         }
 
     def restore(self, state: dict, learners: Learners) -> None:

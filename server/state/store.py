@@ -15,13 +15,12 @@ its number on replay through the same deterministic outer step, bit-identical. O
 log's tail can be torn: it is cut off, with a warning. A write that fails stops new versions
 (StateDirFailed: UNAVAILABLE, health NOT_SERVING) until a restart with the disk back.
 
-A snapshot starts its log, then takes the fragments one at a time: a copy of one fragment's
-state (into its file's image) under that fragment's own state lock, not the Aggregator's,
-written out (O_DIRECT) while the next one is copied and the server carries on, rounds
-included. The last two snapshots are kept with their
-logs: an unreadable newest one is set aside (*.bad, a warning names it) for the one before;
-one killed half way (*.tmp) is removed at start. An older server's snapshot.pt is read with
-torch's weights-only loader and rewritten at start.
+A snapshot starts its log, then copies the fragments one at a time into their files' images,
+each under its own state lock (not the Aggregator's: it waits only for a close of that
+fragment), and writes each (O_DIRECT) while the next is copied; the server carries on. The
+last two snapshots are kept with their logs: an unreadable newest one is set aside (*.bad)
+for the one before; one killed half way (*.tmp) is removed at start. An older server's
+snapshot.pt is read with torch's weights-only loader and rewritten at start.
 """
 
 from __future__ import annotations
@@ -137,8 +136,7 @@ class Persistence:
     def _counted(self, updates: Iterator[LogRecord]) -> Iterator[LogRecord]:
         """The log's rounds count towards the next snapshot: a restart replays no more."""
         try:
-            for record in updates:
-                self._rounds_since_snapshot += 1
+            for self._rounds_since_snapshot, record in enumerate(updates, 1):
                 yield record
         except BaseException:
             self.close()  # a log that cannot be replayed: the server does not start
@@ -160,18 +158,13 @@ class Persistence:
     def check_writable(self) -> None:
         """StateDirFailed once the state dir failed: no new version may be made."""
         if self.failure is not None:
-            raise StateDirFailed(
-                f"this shard takes no new versions: {self.failure}; it serves what it has "
-                f"until it is restarted with the disk back"
-            )
+            why = f"this shard takes no new versions: {self.failure}"
+            raise StateDirFailed(f"{why}; it serves what it has until restarted with the disk back")
 
     def _fail(self, reason: str) -> None:
         self.failure = reason
-        log.error(
-            "state dir failed: %s; this shard takes no new versions until it is restarted "
-            "(every version it served is on disk)",
-            reason,
-        )
+        log.error("state dir failed: %s; this shard takes no new versions until it is "
+                  "restarted (every version it served is on disk)", reason)  # fmt: skip
 
     def round_closed(self) -> bool:
         """Count a closed round; True when a snapshot is due."""
@@ -186,13 +179,12 @@ class Persistence:
             return
         self._lock.wait_for(lambda: not self.snapshot_running)
         self.check_writable()
-        self._begin()
-        self._write(params.fingerprint or [], params.fragments, off_lock=False)
+        if self._begin():  # else the dir failed, and says why
+            self._write(params.fingerprint or [], params.fragments, off_lock=False)
         self.check_writable()
 
     def start_snapshot(self, params: GlobalParams) -> None:
-        """Write the state off the lock, a copy of a fragment at a time (taken under the
-        lock); nothing if one is being written already."""
+        """Write the state off the lock (_write); nothing if one is being written already."""
         if self._store is None or self.snapshot_running or self.failure is not None:
             return
         if not self._begin():
@@ -215,7 +207,6 @@ class Persistence:
         """Write the snapshot, `off_lock` taking each fragment's own state lock for its copy
         (else the caller holds the Aggregator's lock throughout)."""
         held = self._lock if off_lock else contextlib.nullcontext()
-        nothing = contextlib.nullcontext()
         started, entries, failure = time.perf_counter(), [], None
         try:
             # Each fragment's copy (its file's image) under its state lock, its write off it,
@@ -223,13 +214,12 @@ class Persistence:
             with ThreadPoolExecutor(1, thread_name_prefix="snapshot-write") as writer:
                 writing: Future | None = None
                 for fragment in fragments:
-                    with fragment.state_lock if off_lock else nothing:
+                    with fragment.state_lock if off_lock else contextlib.nullcontext():
                         prepared = prepare_fragment(fragment.state_dict())
                     if writing is not None:
                         entries.append(writing.result())
-                    writing = writer.submit(
-                        write_fragment, self._tmp, fragment.fragment_id, prepared
-                    )
+                    fid = fragment.fragment_id
+                    writing = writer.submit(write_fragment, self._tmp, fid, prepared)
                     del prepared
                 if writing is not None:
                     entries.append(writing.result())
@@ -240,12 +230,12 @@ class Persistence:
         except Exception as err:  # noqa: BLE001 - any failure to write stops new versions
             failure = f"cannot write {self._tmp}: {getattr(err, 'strerror', None) or err}"
         finally:
-            with held:
+            with held:  # waiters woken first: nothing after may keep them waiting
                 self.snapshot_running = False
+                self._lock.notify_all()
                 if failure is not None:
                     self._fail(failure)
                 self._events.snapshot_written(time.perf_counter() - started)
-                self._lock.notify_all()
 
     def close(self) -> None:
         """Release the dir (after the last snapshot); nothing is written from then on."""
@@ -267,12 +257,11 @@ def _restore(store: StateStore) -> Restored | None:
     for number in store.snapshots():
         try:
             snapshot = read_snapshot(store.snapshot_dir(number))
+            return restored_from(snapshot, store.replay(number), store.dir)
         except (SnapshotError, OSError) as err:
             log.warning("%s: restoring from the snapshot before it", err)
             errors.append(str(err))
             store.set_aside(number)
-            continue
-        return restored_from(snapshot, store.replay(number), store.dir)
     if errors:
         raise SnapshotError(f"no snapshot in {store.dir} can be read: {'; '.join(errors)}")
     if (legacy := store.dir / _LEGACY_SNAPSHOT).exists():  # rewritten in this format at start

@@ -138,6 +138,23 @@ def test_expired_lease_drops_learner_and_closes_round() -> None:
         agg.push(b, 0, 1, tensors(2))
 
 
+def test_a_heartbeat_between_expiry_and_close_keeps_the_session(monkeypatch) -> None:
+    """Heartbeats take the learners' lock, not the aggregator's: one that renews a lease after
+    expire_leases found it run out, but before the session was closed, keeps it."""
+    agg, (a, b), clock = make(2)
+    clock.now = 11.0  # past both leases (10 s)
+    real_expired = agg._learners.expired
+
+    def then_a_heartbeat():
+        found = real_expired()
+        agg.heartbeat(b)  # b renews in between
+        return found
+
+    monkeypatch.setattr(agg._learners, "expired", then_a_heartbeat)
+    assert agg.expire_leases() == ["l0"]
+    assert agg.live_learners() == ["l1"]
+
+
 def test_leave_closes_round() -> None:
     agg, (a, b), _ = make(2)
     agg.push(a, 0, 0, tensors(1))

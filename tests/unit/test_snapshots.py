@@ -270,3 +270,25 @@ def test_a_snapshot_copies_each_fragment_without_the_aggregators_lock(
     kill(agg)
     restarted, _ = start(tmp_path, snapshot_every_versions=2)
     assert [restarted.version(f) for f in (0, 1)] == [2, 2]
+
+
+def test_initial_values_wait_for_a_snapshot_being_written(tmp_path, monkeypatch) -> None:
+    """Taking a fragment's initial values snapshots them before anyone may pull them; with a
+    snapshot being written, that waits for it, and until then the fragment has no version."""
+    agg, s = start(tmp_path, snapshot_every_versions=2)
+    agg.initialize(s, 0, [torch.ones(SPECS[0].shape)])
+    held = HeldWrite(monkeypatch, fragment=0)
+    for seed in range(2):  # fragment 0's rounds alone: a snapshot is due after the second
+        agg.push(s, 0, seed, delta(0, seed))
+    assert held.entered.wait(WAIT_S)
+    offer = threading.Thread(target=agg.initialize, args=(s, 1, [torch.ones(SPECS[1].shape)]))
+    offer.start()
+    offer.join(0.3)
+    assert offer.is_alive() and agg.version(1) == -1  # waiting, not taken
+    held.release()
+    offer.join(WAIT_S)
+    assert agg.version(1) == 0
+    assert agg.wait_for_snapshot(WAIT_S)
+    kill(agg)
+    restarted, _ = start(tmp_path, snapshot_every_versions=2)
+    assert [restarted.version(f) for f in (0, 1)] == [2, 0]

@@ -5,6 +5,7 @@ O_DIRECT gets the same bytes through the page cache, said once."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 
@@ -85,6 +86,26 @@ def test_a_filesystem_without_o_direct_gets_the_same_bytes(tmp_path, monkeypatch
             written(tmp_path / name, TENSORS)
     assert (tmp_path / "a.safetensors").read_bytes() == direct.read_bytes()
     assert caplog.text.count("takes no O_DIRECT writes") == 1
+
+
+@pytest.mark.skipif(not tensor_file.O_DIRECT, reason="O_DIRECT is Linux's")
+def test_a_filesystem_that_refuses_o_direct_writes_gets_them_buffered(
+    tmp_path, monkeypatch
+) -> None:
+    """Some mounts (FUSE, overlays) open with O_DIRECT and refuse the write itself."""
+    real_write = os.write
+
+    def refuses_direct(fd, data):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & tensor_file.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(tensor_file.os, "write", refuses_direct)
+    monkeypatch.setattr(tensor_file, "_direct_refused", set())
+    written(tmp_path / "f.safetensors", TENSORS)
+    with safe_open(tmp_path / "f.safetensors", framework="pt") as f:
+        assert torch.equal(f.get_tensor("params"), TENSORS["params"])
+    assert tensor_file._direct_refused == {os.stat(tmp_path).st_dev}
 
 
 def test_a_dtype_safetensors_cannot_hold_is_refused_by_name() -> None:
