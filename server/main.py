@@ -221,14 +221,7 @@ def limit_malloc_arenas(arenas: int = DEFAULT_ARENAS) -> bool:
     if "MALLOC_ARENA_MAX" in os.environ:
         log.info("malloc: MALLOC_ARENA_MAX=%s from the environment", os.environ["MALLOC_ARENA_MAX"])
         return False
-    libc_name, _ = platform.libc_ver()
-    if libc_name != "glibc":
-        log.info("malloc: libc is %s, not glibc; arena limit not set", libc_name or "unknown")
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError) as err:
-        log.warning("malloc: mallopt not found (%s); arena limit not set", err)
+    if (mallopt := _glibc_function("mallopt", "arena limit not set")) is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if mallopt(M_ARENA_MAX, arenas) != 1:
@@ -236,6 +229,20 @@ def limit_malloc_arenas(arenas: int = DEFAULT_ARENAS) -> bool:
         return False
     log.info("malloc: at most %d glibc arenas (bounded server memory, server/main.py)", arenas)
     return True
+
+
+def _glibc_function(name: str, otherwise: str):
+    """glibc's function `name` from this process, or None (after a log line ending in
+    `otherwise`) on another libc or where it cannot be found."""
+    libc_name, _ = platform.libc_ver()
+    if libc_name != "glibc":
+        log.info("malloc: libc is %s, not glibc; %s", libc_name or "unknown", otherwise)
+        return None
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError) as err:
+        log.warning("malloc: %s not found (%s); %s", name, err, otherwise)
+        return None
 
 
 def single_threaded_torch() -> None:
@@ -251,14 +258,7 @@ def start_malloc_trimmer(
     (see the module docstring); returns whether the trimmer thread was started."""
     if interval_s <= 0:
         raise ValueError(f"malloc trim interval must be > 0 s, got {interval_s}")
-    libc_name, _ = platform.libc_ver()
-    if libc_name != "glibc":
-        log.info("malloc: libc is %s, not glibc; heap not trimmed", libc_name or "unknown")
-        return False
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError) as err:
-        log.warning("malloc: malloc_trim not found (%s); heap not trimmed", err)
+    if (malloc_trim := _glibc_function("malloc_trim", "heap not trimmed")) is None:
         return False
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
 
