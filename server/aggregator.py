@@ -5,8 +5,7 @@ lease, reports and pushes); `GlobalParams` (state/params.py: the fingerprint the
 fixes and one `FragmentState` per fragment); `Admission` (rounds/admission.py: what a push
 must pass and weighs); one round policy (rounds/policy.py: when a round closes, and the
 close); and `Persistence` (state/store.py: the state dir). A learner whose lease expires or
-who leaves stops counting, so a dead learner never stalls the others. All methods are
-thread-safe; `wait_for_version` blocks callers (long-polls, tests) on progress.
+who leaves stops counting. All methods are thread-safe; `wait_for_version` blocks on progress.
 """
 
 from __future__ import annotations
@@ -145,15 +144,6 @@ class Readings:
         with self._cond:
             return self._cond.wait_for(lambda: not self._store.snapshot_running, timeout_s)
 
-    def wake(self, blocking: bool = False) -> None:
-        """Make every wait_for_version caller check its `gone` now. gRPC calls this on the
-        thread every call's events pass through (heartbeats too): it never waits for the lock."""
-        if self._cond.acquire(blocking=blocking):
-            self._cond.notify_all()
-            self._cond.release()
-        else:
-            threading.Thread(target=self.wake, args=(True,), name="wake", daemon=True).start()
-
     def params(self, fragment_id: int) -> list[torch.Tensor]:
         """A copy of a fragment's global parameters (for tests and checkpoints)."""
         with self._cond:
@@ -174,7 +164,7 @@ class Aggregator(Readings):
         self.events = events or AggregatorEvents()
         self.server_epoch = secrets.randbits(63)
         self._clock = clock
-        self._cond = threading.Condition()
+        self._cond, self._waker_pending = threading.Condition(), threading.Lock()  # wake()
         self._learners = Learners(config.membership, clock)
         self._policy = round_policy(config.rounds, config.outer, clock)
         self._params = GlobalParams(
@@ -195,6 +185,20 @@ class Aggregator(Readings):
                 # settings and dtype they are made with (a replay runs with the snapshot's).
                 with self._cond:
                     self._store.snapshot(self._params)
+
+    def wake(self) -> None:
+        """Make every wait_for_version caller check its `gone` now. gRPC calls this on the
+        thread all calls' events pass through: it never waits for the lock, one thread does."""
+        if self._cond.acquire(blocking=False):
+            self._cond.notify_all()
+            self._cond.release()
+        elif self._waker_pending.acquire(blocking=False):
+            threading.Thread(target=self._wake_when_free, name="wake", daemon=True).start()
+
+    def _wake_when_free(self) -> None:
+        with self._cond:  # a wake after the release is covered by this notify
+            self._waker_pending.release()
+            self._cond.notify_all()
 
     def resume(self, restored: Restored) -> bool:
         """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's);

@@ -1,5 +1,7 @@
 """Rules of the aggregator in sync mode: rounds, leases, validation, the outer step."""
 
+import threading
+
 import pytest
 import torch
 
@@ -249,3 +251,34 @@ def test_config_errors_name_the_field() -> None:
         aggregator_config(
             mode="async", outer_momentum_warmup_rounds=0, outer_state_dtype="bfloat16"
         )
+
+
+def test_wake_never_waits_for_the_lock_and_starts_one_waiting_thread() -> None:
+    """gRPC calls wake on the thread all calls' events pass through: while a round's close
+    holds the lock, wake returns at once, and however many wakes come, one thread waits to
+    notify; its notify reaches a long-poll whose caller left meanwhile."""
+    agg, _, _ = make(2)
+    left = threading.Event()
+    polled: list[int] = []
+    poll = threading.Thread(
+        target=lambda: polled.append(agg.wait_for_version(0, 5, 30, gone=left.is_set))
+    )
+    poll.start()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with agg._cond:
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert holding.wait(30)
+    left.set()
+    for _ in range(50):
+        agg.wake()  # returns at once, the lock being held
+    assert sum(t.name == "wake" for t in threading.enumerate()) == 1
+    release.set()
+    holder.join(30)
+    poll.join(30)
+    assert polled == [0]
