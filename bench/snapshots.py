@@ -65,12 +65,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import mmap
 import os
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -78,172 +76,22 @@ import time
 from pathlib import Path
 from threading import Thread
 
-import grpc
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import procfs  # noqa: E402
+from bench.disk_speed import disk_write_s, write_between_snapshots, writer_alone_s  # noqa: E402
 from bench.scale import FULL_SIDE, payloads_of, start_shards  # noqa: E402
-from bench.scale_fleet import FRAGMENTS, TENSORS, Fleet, Model  # noqa: E402
-from common.generated.diloco.v1 import aggregator_pb2 as pb  # noqa: E402
-from common.rpc import LEARNER_ID_HEADER  # noqa: E402
+from bench.scale_fleet import FRAGMENTS, Fleet, Model  # noqa: E402
+from bench.snapshot_probes import SnapshotWatch, start_heartbeat_probe  # noqa: E402
 from deploy.launcher import read_port_file, stop_all  # noqa: E402
 from deploy.prometheus_api import scrape  # noqa: E402
-from learner.client import AggregatorClient  # noqa: E402
-from learner.shard_sessions import session_of  # noqa: E402
-from server.state.formats import prepare_fragment, write_fragment  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-QUICK_SIDE, QUICK_RUN_S = 4096, 30.0
-HEARTBEAT_EVERY_S, PULL_PROBE_EVERY_S, POLL_EVERY_S = 0.05, 0.5, 0.01
-DISK_BLOCK = 64 << 20
+QUICK_SIDE, QUICK_RUN_S, PULL_PROBE_EVERY_S = 4096, 30.0, 0.5
 # Disk need per parameter: three snapshots (two kept, one being written) of at most fp32
 # parameters, momentum and residual in fp32 and the update chains (update_log_fraction 0.5).
 SNAPSHOT_BYTES_PER_PARAM = 4 + 4 + 4 + 2
 METRIC = "diloco_server_snapshot_write_seconds"
-
-
-class SnapshotWatch(threading.Thread):
-    """Lists the state dir every POLL_EVERY_S: when each snapshot's .tmp dir lived, and the
-    bytes of the complete dir it became."""
-
-    def __init__(self, state_dir: Path, deadline: float) -> None:
-        super().__init__(daemon=True)
-        self.state_dir, self.deadline = state_dir, deadline
-        self.stop = threading.Event()
-        self.windows: list[dict] = []  # number, start_s, end_s (perf_counter), bytes or None
-
-    def run(self) -> None:
-        current: dict | None = None
-        while not self.stop.wait(POLL_EVERY_S) and time.perf_counter() < self.deadline:
-            tmp = sorted(n for n in os.listdir(self.state_dir) if n.endswith(".tmp"))
-            now = time.perf_counter()
-            number = int(tmp[0].split("-")[1].split(".")[0]) if tmp else None
-            if current is not None and number != current["number"]:
-                current["end_s"] = now
-                current["bytes"] = dir_bytes(self.state_dir / f"snapshot-{current['number']:06d}")
-                self.windows.append(current)
-                current = None
-            if current is None and number is not None:
-                current = {"number": number, "start_s": now}
-        if current is not None:  # still being written at the end: its time counts, no size
-            self.windows.append(current | {"end_s": time.perf_counter(), "bytes": None})
-
-
-def dir_bytes(path: Path) -> int | None:
-    """The bytes of the files in `path`; None if it is not there (a failed snapshot)."""
-    try:
-        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
-    except FileNotFoundError:
-        return None
-
-
-def heartbeat_probe(address: str, learner_id: str, session: str, seconds: float) -> None:
-    """Every HEARTBEAT_EVERY_S for `seconds`, the probe learner's heartbeat; prints each
-    call's (start, end) on time.perf_counter's clock (CLOCK_MONOTONIC: the same in every
-    process), an error as a call as long as it took. Run in a process of its own, as a
-    learner's heartbeat comes from one: in this one it would queue behind the simulated
-    learners' threads for the interpreter."""
-    client = AggregatorClient(address, None, ((LEARNER_ID_HEADER, learner_id),))
-    request = pb.HeartbeatRequest(session_id=session)
-    deadline, spans, errors = time.perf_counter() + seconds, [], 0
-    while time.perf_counter() < deadline:
-        started = time.perf_counter()
-        try:
-            client.heartbeat(request, timeout_s=5.0)
-        except grpc.RpcError:
-            errors += 1
-        spans.append((started, time.perf_counter()))
-        time.sleep(HEARTBEAT_EVERY_S)
-    client.close()
-    print(json.dumps({"spans": spans, "errors": errors}))
-
-
-def start_heartbeat_probe(fleet: Fleet, address: str, seconds: float) -> subprocess.Popen:
-    session = session_of(fleet.sessions[-1], 0, 1)
-    code = (
-        "import sys; from bench.snapshots import heartbeat_probe; "
-        "heartbeat_probe(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]))"
-    )
-    argv = [address, f"scale-{fleet.learners}", session, str(seconds)]
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    return subprocess.Popen(
-        [sys.executable, "-c", code, *argv], stdout=subprocess.PIPE, text=True, env=env
-    )
-
-
-def disk_write_s(directory: Path, nbytes: int) -> float:
-    """Seconds to write `nbytes` to a new file in `directory` in DISK_BLOCK blocks and fsync
-    it (then deleted), the faster of two ways: through the page cache, and with O_DIRECT from
-    a page-aligned buffer (as the snapshot writes; where the filesystem takes it)."""
-    return min(_write_s(directory, nbytes, direct) for direct in (False, True))
-
-
-def _write_s(directory: Path, nbytes: int, direct: bool) -> float:
-    block, path = mmap.mmap(-1, DISK_BLOCK), directory / "disk-speed.tmp"  # page-aligned
-    block.write(os.urandom(DISK_BLOCK))
-    if direct and not hasattr(os, "O_DIRECT"):
-        return math.inf
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
-    try:
-        fd = os.open(path, flags, 0o644)
-    except OSError:  # no O_DIRECT here: the buffered figure stands
-        return math.inf
-    started = time.perf_counter()
-    try:
-        view = memoryview(block)
-        for offset in range(0, nbytes, DISK_BLOCK):  # whole pages: O_DIRECT needs them
-            size = min(DISK_BLOCK, -(-(nbytes - offset) // mmap.PAGESIZE) * mmap.PAGESIZE)
-            os.write(fd, view[:size])
-        os.fsync(fd)
-        return time.perf_counter() - started
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-
-
-def write_between_snapshots(state_dir: Path, directory: Path, nbytes: int) -> float | None:
-    """disk_write_s while the server still serves its learners, between two snapshots: the
-    disk and CPUs as busy as a snapshot finds them, less the snapshot itself. None if a
-    snapshot overlapped each of three tries."""
-    for _ in range(3):
-        deadline = time.perf_counter() + 300
-        while list(state_dir.glob("*.tmp")) and time.perf_counter() < deadline:
-            time.sleep(POLL_EVERY_S)
-        before = sorted(p.name for p in state_dir.glob("snapshot-*"))
-        seconds = disk_write_s(directory, nbytes)
-        if sorted(p.name for p in state_dir.glob("snapshot-*")) == before:
-            return seconds
-    return None
-
-
-def writer_alone_s(directory: Path, model: Model) -> tuple[int, float]:
-    """(bytes, seconds) of the snapshot writer (server/state/formats.py write_fragment, as a
-    snapshot calls it) writing FRAGMENTS fragments of the server's shapes on an idle machine:
-    per parameter fp32 values, bfloat16 momentum and residual (the default outer state), and
-    an update chain of one fp4 update (0.5 bytes)."""
-    shape, per_fragment = (model.side, model.side), TENSORS // FRAGMENTS
-
-    def bf16() -> list[torch.Tensor]:
-        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(per_fragment)]
-
-    state = {
-        "version": 1,
-        "params": [torch.randn(shape) for _ in range(per_fragment)],
-        "outer": {"momentum": bf16()},
-        "residual": bf16(),
-        "updates": [[0, os.urandom(per_fragment * model.side * model.side // 2)]],
-    }
-    target = directory / "writer-alone"
-    target.mkdir()
-    started = time.perf_counter()
-    try:
-        for index in range(FRAGMENTS):
-            write_fragment(target, index, prepare_fragment(state))
-        return dir_bytes(target) or 0, time.perf_counter() - started
-    finally:
-        shutil.rmtree(target, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, model: Model) -> dict:
