@@ -87,14 +87,18 @@ class AggregatorClient:
         have_version: int,
         wait_for_version: int = 0,
         wait_timeout_s: float = 0.0,
+        slice_of: tuple[int, int] = (0, 0),
     ) -> tuple[pb.PullHeader, bytes]:
-        """The fragment's header and serialized payload (empty when already up to date)."""
+        """The fragment's header and serialized payload (empty when already up to date);
+        of slice (index, count) only when count > 1 (a rank of a sharded island)."""
         request = pb.PullParamsRequest(
             session_id=session_id,
             fragment_id=fragment_id,
             have_version=have_version,
             wait_for_version=wait_for_version,
             wait_timeout_s=wait_timeout_s,
+            slice_index=slice_of[0],
+            slice_count=slice_of[1],
         )
         self.traffic.count(fragment_id, sent=request.ByteSize())
         stream = self._stub.PullParams(

@@ -26,6 +26,7 @@ from server.learners import Learner, Learners
 from server.rounds.admission import Admission, PushRefused, check_shapes, check_tokens_per_step
 from server.rounds.ingest import DenseBody, PushBody
 from server.rounds.policy import round_policy
+from server.rounds.slices import SlicedBody
 from server.state.formats import Restored
 from server.state.fragment import FragmentState, PullResult
 from server.state.params import GlobalParams, ParamSpec, ShardMap, check_fingerprint, state_identity
@@ -75,8 +76,7 @@ class Readings:
     _store: Persistence
 
     def median_step_time_s(self) -> float:
-        """The live learners' median reported inner-step time (0: none reported; this and
-        the next two take the learners' own lock, not this one: learners.py)."""
+        """The live learners' median inner-step time (0: none; learners.py's lock, as below)."""
         return self._learners.median_step_time_s()
 
     def schedule_estimate(self) -> int:
@@ -93,8 +93,7 @@ class Readings:
             return self._store.failure
 
     def learner_pushes(self) -> list[tuple[str, bool, int, int, float]]:
-        """(learner id, live, fragment, round version, seconds since) of each live learner's
-        or pusher's last accepted push (-1, -1 for none), by id."""
+        """(id, live, fragment, round version, age s) of each one's last push (-1, -1: none)."""
         with self._cond:
             now, rows = self._clock(), []
             for x in self._learners.everyone():
@@ -120,6 +119,9 @@ class Readings:
     def live_learners(self) -> list[str]:
         with self._cond:
             return sorted(learner.learner_id for learner in self._learners.live())
+
+    def has_session(self, session_id: str) -> bool:  # learners.py's lock
+        return self._learners.of_session(session_id) is not None
 
     def has_fragment(self, fragment_id: int) -> bool:
         with self._cond:
@@ -181,8 +183,7 @@ class Aggregator(Readings):
             versions = [f.version for f in self._params.fragments]
             self.setting_changes = changed_settings(restored, config, versions)
             if converted or restored.rewrite or self.setting_changes:
-                # A snapshot now: the log's next records then follow one made with the
-                # settings and dtype they are made with (a replay runs with the snapshot's).
+                # Now: the next records follow a snapshot of their settings and dtype.
                 with self._cond:
                     self._store.snapshot(self._params)
 
@@ -201,8 +202,8 @@ class Aggregator(Readings):
             self._cond.notify_all()
 
     def resume(self, restored: Restored) -> bool:
-        """Rebuild the fragments from a state dir's snapshot and log (also diloco-export's);
-        True if their state is now kept in another dtype than the state dir's."""
+        """Rebuild the fragments from a state dir (also diloco-export's); True if their state
+        is now kept in another dtype than the state dir's."""
         with self._cond:
             converted = self._params.restore(restored, self._policy.before_replay)
             self._admission.restore(restored.admission, self._learners)  # once replayed
@@ -304,14 +305,13 @@ class Aggregator(Readings):
         session_id: str,
         fragment_id: int,
         base_version: int,
-        tensors: Sequence[torch.Tensor] | PushBody | DenseBody,
+        tensors: Sequence[torch.Tensor] | PushBody | DenseBody | SlicedBody,
         tokens: int = 0,
         inner_steps: int = 0,
     ) -> int:
-        """Add a pseudo-gradient (decoded, or a PushBody checked in its wire encoding outside
-        the lock and decoded straight into the round's sum, rounds/ingest.py) to the open
-        round; returns the version it helps produce (the learner waits for that one)."""
-        body = tensors if isinstance(tensors, (PushBody, DenseBody)) else DenseBody(tensors)
+        """Add a pseudo-gradient (decoded, or a body checked outside the lock: rounds/ingest.py,
+        rounds/slices.py) to the open round; returns the version it helps produce."""
+        body = DenseBody(tensors) if isinstance(tensors, (list, tuple)) else tensors
         adds, ticket, nothing_queued = None, None, False
         try:
             with self._cond:
@@ -330,16 +330,13 @@ class Aggregator(Readings):
                 self._maybe_close(fragment)
         finally:
             if adds is not None and not nothing_queued:
-                # The pushes queued to add together, this one among them (Round.add), added
-                # now that other pushes can be counted meanwhile (rounds/round.py).
-                adds.run()
+                adds.run()  # the queued pushes, this one among them, outside the lock (round.py)
         if ticket is not None:
             ticket.check()
         return round_version
 
     def settle_deferred(self) -> None:
-        """Add every round's deferred pushes now, giving their buffers back (the push budget
-        asks when a push finds no room: server/rpc/receive.py)."""
+        """Add every round's deferred pushes now, giving their buffers back (rpc/receive.py)."""
         with self._cond:
             for fragment in self._params.fragments:
                 fragment.round.settle()
@@ -348,14 +345,17 @@ class Aggregator(Readings):
         """The learner id that opened the session, its lease renewed; NotFound when none."""
         return self._learners.renew(session_id).learner_id  # learners.py's lock
 
-    def pull(self, session_id: str, fragment_id: int, have_version: int) -> PullResult:
-        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot."""
+    def pull(
+        self, session_id: str, fragment_id: int, have_version: int, slice_of=(0, 1)
+    ) -> PullResult:
+        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot
+        (of slice_of = (index, count) only, count > 1: common/codec/slices.py)."""
         with self._cond:
             self._learners.renew(session_id)
             fragment = self._params.fragment(fragment_id)
             if fragment.params is None:
                 raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
-            return fragment.pull(have_version)
+            return fragment.pull(have_version, slice_of)
 
     # -- internals (call with the lock held) ---------------------------------------------
 

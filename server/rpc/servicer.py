@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterator
 
 from common.codec.fragment import chunks, max_fragment_bytes
+from common.codec.slices import SliceCut, is_sliced
 from common.codec.tensor import decode_values, parse_fragment_view
 from common.cpus import usable_cpus
 from common.errors import DilocoError, InvalidArgument, PermissionDenied, ResourceExhausted
@@ -26,6 +27,7 @@ from common.rpc import RETRY_AFTER_HEADER
 from common.traffic import NO_FRAGMENT, Traffic
 from server.aggregator import Aggregator
 from server.rounds.ingest import IngestSlots
+from server.rounds.slices import HeldSlices, push_slice
 from server.rpc.calls import authenticated_learner, current_call
 from server.rpc.metrics import Counts, MergedTokens
 from server.rpc.receive import BudgetExhausted, PushBudget, receive_into, wire_bytes
@@ -83,6 +85,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self._ingest = IngestSlots(ingest_slots or 2 * usable_cpus())
         # Push payloads are received into buffers reserved from this (receive.py).
         self.push_budget = push_budget or PushBudget(None, 0.0)
+        self.held_slices = HeldSlices()  # sharded islands' pushes, until every slice is here
 
     def count_push(self, result: str) -> None:
         self.push_results.add(result)
@@ -164,8 +167,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         initial = header.kind == pb.PUSH_KIND_INITIAL
         # Refuse stale, duplicate or unknown pushes before reading their payload.
         shapes = agg.check_push(header.session_id, fid, header.base_version, initial)
+        cut = None
+        if is_sliced(header.slice_count):  # a rank of a sharded island: its slice alone
+            cut = SliceCut(shapes, header.slice_index, header.slice_count)
         # Bound the buffer by what the fragment can take in its largest codec (fp32).
-        limit = max_fragment_bytes(shapes, pb.CODEC_FP32)
+        limit = max_fragment_bytes(shapes if cut is None else cut.shapes, pb.CODEC_FP32)
         if header.payload_bytes > limit:
             raise ResourceExhausted(
                 f"announced payload of {header.payload_bytes} bytes exceeds the limit of {limit}"
@@ -183,7 +189,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             # to the round's sum straight from the buffer, in its wire encoding, without a
             # float32 copy of its own (server/rounds/ingest.py).
             with self._ingest.take() as slot:
-                if initial:
+                if cut is not None:
+                    version = push_slice(agg, self.held_slices, header, shapes, cut, payload, slot)
+                    if version is not None:
+                        self.merged_tokens.add(fid, version, header.tokens, agg.version(fid))
+                elif initial:
                     tensors = [decode_values(t) for t in parse_fragment_view(payload, shapes)]
                     version = agg.initialize(header.session_id, fid, tensors)
                 else:
@@ -196,8 +206,13 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         inner_steps=header.inner_steps,
                     )
                     self.merged_tokens.add(fid, version, header.tokens, agg.version(fid))
-        response = pb.PushFragmentResponse(accepted=True, round_version=version)
-        self.count_push("accepted")
+        pending = version is None  # a slice whose island's other slices are still due
+        response = pb.PushFragmentResponse(
+            accepted=True,
+            round_version=header.base_version if pending else version,
+            slices_pending=pending,
+        )
+        self.count_push("slice_held" if pending else "accepted")
         self.traffic.count(fid, sent=response.ByteSize())
         return response
 
@@ -213,7 +228,12 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             self._wait_for_version(request, context)
             if not context.is_active():
                 return iter(())  # nobody to answer
-        result = agg.pull(request.session_id, fid, request.have_version)
+        result = agg.pull(
+            request.session_id,
+            fid,
+            request.have_version,
+            (request.slice_index, request.slice_count),
+        )
         header = pb.PullHeader(
             fragment_id=fid,
             version=result.version,

@@ -37,7 +37,9 @@ from common.codec.fragment import (
     snapshot_parts,
 )
 from common.codec.framing import chain_parts
+from common.codec.slices import SliceCut, is_sliced
 from common.codec.tensor import codec_id, parse_fragment
+from common.errors import FailedPrecondition, InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from server.rounds.outer import CHUNK_VALUES, STATE_DTYPES, OuterOptimizer
 from server.rounds.round import Round
@@ -102,6 +104,9 @@ class FragmentState:
         self._update_log_fraction = update_log_fraction  # of a snapshot's bytes (_log_update)
         self._update_bytes = 0  # Σ len(data) over _updates
         self._snapshot: PullResult | None = None
+        # Snapshots of slices (sharded islands' ranks), by (index, count), built and freed
+        # as the whole one.
+        self._slice_snapshots: dict[tuple[int, int], PullResult] = {}
         self._params_lock = threading.Lock()  # TensorBytes reads vs. freezing before a step
         # Held (inside the Aggregator's lock) while the state changes; a snapshot copies the
         # state holding only this one, so it waits for no other fragment's round.
@@ -166,8 +171,9 @@ class FragmentState:
             self._residual = [r.to(dtype) for r in self._residual]
         return changed
 
-    def pull(self, have_version: int) -> PullResult:
-        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot.
+    def pull(self, have_version: int, slice_of: tuple[int, int] = (0, 1)) -> PullResult:
+        """What a learner at `have_version` needs: nothing, the update chain, or a snapshot;
+        of slice_of = (index, count) only when count > 1 (a rank of a sharded island).
 
         Answers share their bytes: the snapshot is built once per version, when someone
         first needs it, and a chain is a list of the logged updates' serialized bytes with a
@@ -175,6 +181,8 @@ class FragmentState:
         snapshot's size each, for learners at many different versions) made the server's
         memory grow by about 4 MB per learner for a 4 MiB model in bench/load.py.
         """
+        if is_sliced(slice_of[1]):
+            return self._pull_slice(have_version, SliceCut(self.shapes, *slice_of))
         crc = self._current_crc32()
         if have_version >= self.version:
             return PullResult(pb.PULL_KIND_UP_TO_DATE, self.version, (), crc)
@@ -195,6 +203,35 @@ class FragmentState:
         return PullResult(
             pb.PULL_KIND_UPDATES, self.version, chain_parts(have_version, logged), crc
         )
+
+    def _pull_slice(self, have_version: int, cut: SliceCut) -> PullResult:
+        """pull() for a slice: its rows of the snapshot, or each logged update cut to the
+        blocks covering them (common/codec/slices.py), with the slice's checksum. The cut
+        chain is built per pull (a slice of each update); the snapshot is shared."""
+        assert self.params is not None
+        if self.pull_codec != pb.CODEC_FP32:
+            try:
+                SliceCut.check_codec(self.pull_codec)
+            except InvalidArgument as err:
+                raise FailedPrecondition(str(err)) from err
+        slices = [cut.of(p, i) for i, p in enumerate(self.params)]
+        crc = params_crc32(slices)
+        if have_version >= self.version:
+            return PullResult(pb.PULL_KIND_UP_TO_DATE, self.version, (), crc)
+        if self._updates and 0 <= self._updates[0][0] <= have_version:
+            logged = [cut.update(data) for start, data in self._updates if start >= have_version]
+            chain = PullResult(
+                pb.PULL_KIND_UPDATES, self.version, chain_parts(have_version, logged), crc
+            )
+            if chain.payload_bytes < 4 * cut.numel:
+                return chain
+        key = (cut.index, cut.count)
+        snapshot = self._slice_snapshots.get(key)
+        if snapshot is None or snapshot.version != self.version:
+            parts = snapshot_parts(slices, self._params_lock)
+            snapshot = PullResult(pb.PULL_KIND_SNAPSHOT, self.version, parts, crc)
+            self._slice_snapshots[key] = snapshot
+        return snapshot
 
     def _current_crc32(self) -> int:
         if self._crc is None or self._crc[0] != self.version:
@@ -248,10 +285,11 @@ class FragmentState:
     def _release_snapshot(self) -> None:
         """Before the parameters change: drop the cached snapshot, and freeze the parts that
         pulls in flight still stream (each then holds a copy of its tensor's old bytes)."""
-        if self._snapshot is None:
-            return
-        refs = [weakref.ref(p) for p in self._snapshot.parts if isinstance(p, TensorBytes)]
-        self._snapshot = None
+        answers = [self._snapshot, *self._slice_snapshots.values()]
+        self._snapshot, self._slice_snapshots = None, {}
+        parts = [p for answer in answers if answer is not None for p in answer.parts]
+        refs = [weakref.ref(p) for p in parts if isinstance(p, TensorBytes)]
+        del answers, parts  # only the streams that still send a part keep it alive now
         with self._params_lock:
             for ref in refs:
                 part = ref()  # alive only if a stream holds it: CPython frees the rest now

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64iloco/v1/aggregator.proto\x12\tdiloco.v1\"\x81\x01\n\rEncodedTensor\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\x10\n\x08sparse_k\x18\x06 \x01(\r\"<\n\x0f\x45ncodedFragment\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.diloco.v1.EncodedTensor\"T\n\x0f\x46ragmentUpdates\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x03\x12+\n\x07updates\x18\x02 \x03(\x0b\x32\x1a.diloco.v1.EncodedFragment\"7\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"M\n\x0e\x46ragmentLayout\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x15\n\rparam_indices\x18\x02 \x03(\r\x12\x0f\n\x07version\x18\x03 \x01(\x03\"\x87\x01\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12)\n\x0b\x66ingerprint\x18\x02 \x03(\x0b\x32\x14.diloco.v1.ParamSpec\x12 \n\x06\x63odecs\x18\x03 \x03(\x0e\x32\x10.diloco.v1.Codec\x12\x17\n\x0ftokens_per_step\x18\x04 \x01(\x03\"\xff\x01\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_epoch\x18\x02 \x01(\x04\x12,\n\tfragments\x18\x03 \x03(\x0b\x32\x19.diloco.v1.FragmentLayout\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x15\n\rschedule_step\x18\x07 \x01(\x03\x12\x13\n\x0bshard_index\x18\n \x01(\r\x12\x13\n\x0bshard_count\x18\x0b \x01(\r\x12\x0e\n\x06map_id\x18\x0c \x01(\t\x12\x17\n\x0f\x66ragment_owners\x18\r \x03(\r\"\xaa\x01\n\nPushHeader\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x13\n\x0binner_steps\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12!\n\x04kind\x18\x06 \x01(\x0e\x32\x13.diloco.v1.PushKind\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\"W\n\x13PushFragmentRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"O\n\x14PushFragmentResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x15\n\rround_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x84\x01\n\x11PullParamsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x14\n\x0chave_version\x18\x03 \x01(\x03\x12\x18\n\x10wait_for_version\x18\x04 \x01(\x03\x12\x16\n\x0ewait_timeout_s\x18\x05 \x01(\x01\"\x82\x01\n\nPullHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.diloco.v1.PullKind\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cparams_crc32\x18\x05 \x01(\r\"V\n\x12PullParamsResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PullHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"~\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x15\n\rschedule_step\x18\x06 \x01(\x03\"\x8e\x01\n\x11HeartbeatResponse\x12\x14\n\x0cserver_epoch\x18\x01 \x01(\x04\x12\x19\n\x11\x66ragment_versions\x18\x02 \x03(\x03\x12\x15\n\rlive_learners\x18\x03 \x01(\r\x12\x1a\n\x12median_step_time_s\x18\x04 \x01(\x01\x12\x15\n\rschedule_step\x18\x05 \x01(\x03\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x17\n\x15\x44\x65scribeShardsRequest\"\xab\x01\n\x16\x44\x65scribeShardsResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x13\n\x0bshard_count\x18\x02 \x01(\r\x12\x0e\n\x06map_id\x18\x03 \x01(\t\x12\x11\n\taddresses\x18\x04 \x03(\t\x12\x18\n\x10\x66ingerprint_hash\x18\x05 \x01(\t\x12\x11\n\tfragments\x18\x06 \x01(\r\x12\x17\n\x0f\x66ragment_owners\x18\x07 \x03(\r\"\x0f\n\rStatusRequest\"[\n\x0e\x46ragmentStatus\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05owner\x18\x03 \x01(\r\x12\x14\n\x0cparams_crc32\x18\x04 \x01(\r\"\x81\x01\n\rLearnerStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0c\n\x04live\x18\x02 \x01(\x08\x12\x1a\n\x12last_push_fragment\x18\x03 \x01(\x03\x12\x19\n\x11last_push_version\x18\x04 \x01(\x03\x12\x17\n\x0flast_push_age_s\x18\x05 \x01(\x01\":\n\rSettingChange\x12\x0f\n\x07setting\x18\x01 \x01(\t\x12\x0b\n\x03was\x18\x02 \x01(\t\x12\x0b\n\x03now\x18\x03 \x01(\t\"\xfc\x01\n\x0eStatusResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x13\n\x0bshard_count\x18\x02 \x01(\r\x12\x0e\n\x06map_id\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12,\n\tfragments\x18\x05 \x03(\x0b\x32\x19.diloco.v1.FragmentStatus\x12\x15\n\rrounds_closed\x18\x06 \x01(\x04\x12*\n\x08learners\x18\x07 \x03(\x0b\x32\x18.diloco.v1.LearnerStatus\x12\x31\n\x0fsetting_changes\x18\x08 \x03(\x0b\x32\x18.diloco.v1.SettingChange*\x95\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x12\n\x0e\x43ODEC_FP4_E2M1\x10\x03\x12\x12\n\x0e\x43ODEC_FP4_E3M0\x10\x04\x12\x15\n\x11\x43ODEC_SPARSE_2BIT\x10\x05\"\x04\x08\x06\x10\x06*\x10\x43ODEC_SPARSE_FP4*Q\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPUSH_KIND_DELTA\x10\x01\x12\x15\n\x11PUSH_KIND_INITIAL\x10\x02*n\n\x08PullKind\x12\x19\n\x15PULL_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12PULL_KIND_SNAPSHOT\x10\x01\x12\x18\n\x14PULL_KIND_UP_TO_DATE\x10\x02\x12\x15\n\x11PULL_KIND_UPDATES\x10\x03\x32\xff\x03\n\nAggregator\x12\x37\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x17.diloco.v1.JoinResponse\x12Q\n\x0cPushFragment\x12\x1e.diloco.v1.PushFragmentRequest\x1a\x1f.diloco.v1.PushFragmentResponse(\x01\x12K\n\nPullParams\x12\x1c.diloco.v1.PullParamsRequest\x1a\x1d.diloco.v1.PullParamsResponse0\x01\x12\x46\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x1c.diloco.v1.HeartbeatResponse\x12:\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x18.diloco.v1.LeaveResponse\x12U\n\x0e\x44\x65scribeShards\x12 .diloco.v1.DescribeShardsRequest\x1a!.diloco.v1.DescribeShardsResponse\x12=\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x19.diloco.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64iloco/v1/aggregator.proto\x12\tdiloco.v1\"\x81\x01\n\rEncodedTensor\x12\x1f\n\x05\x63odec\x18\x01 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x0e\n\x06scales\x18\x04 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\x10\n\x08sparse_k\x18\x06 \x01(\r\"<\n\x0f\x45ncodedFragment\x12)\n\x07tensors\x18\x01 \x03(\x0b\x32\x18.diloco.v1.EncodedTensor\"T\n\x0f\x46ragmentUpdates\x12\x14\n\x0c\x66rom_version\x18\x01 \x01(\x03\x12+\n\x07updates\x18\x02 \x03(\x0b\x32\x1a.diloco.v1.EncodedFragment\"7\n\tParamSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"M\n\x0e\x46ragmentLayout\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x15\n\rparam_indices\x18\x02 \x03(\r\x12\x0f\n\x07version\x18\x03 \x01(\x03\"\x87\x01\n\x0bJoinRequest\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12)\n\x0b\x66ingerprint\x18\x02 \x03(\x0b\x32\x14.diloco.v1.ParamSpec\x12 \n\x06\x63odecs\x18\x03 \x03(\x0e\x32\x10.diloco.v1.Codec\x12\x17\n\x0ftokens_per_step\x18\x04 \x01(\x03\"\xff\x01\n\x0cJoinResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0cserver_epoch\x18\x02 \x01(\x04\x12,\n\tfragments\x18\x03 \x03(\x0b\x32\x19.diloco.v1.FragmentLayout\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x0c\n\x04mode\x18\x05 \x01(\t\x12\x0e\n\x06layout\x18\x06 \x01(\t\x12\x15\n\rschedule_step\x18\x07 \x01(\x03\x12\x13\n\x0bshard_index\x18\n \x01(\r\x12\x13\n\x0bshard_count\x18\x0b \x01(\r\x12\x0e\n\x06map_id\x18\x0c \x01(\t\x12\x17\n\x0f\x66ragment_owners\x18\r \x03(\r\"\xd4\x01\n\nPushHeader\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12\x13\n\x0binner_steps\x18\x04 \x01(\x03\x12\x0e\n\x06tokens\x18\x05 \x01(\x03\x12!\n\x04kind\x18\x06 \x01(\x0e\x32\x13.diloco.v1.PushKind\x12\x15\n\rpayload_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bslice_index\x18\x08 \x01(\r\x12\x13\n\x0bslice_count\x18\t \x01(\r\"W\n\x13PushFragmentRequest\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PushHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"g\n\x14PushFragmentResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x15\n\rround_version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x16\n\x0eslices_pending\x18\x04 \x01(\x08\"\xae\x01\n\x11PullParamsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ragment_id\x18\x02 \x01(\r\x12\x14\n\x0chave_version\x18\x03 \x01(\x03\x12\x18\n\x10wait_for_version\x18\x04 \x01(\x03\x12\x16\n\x0ewait_timeout_s\x18\x05 \x01(\x01\x12\x13\n\x0bslice_index\x18\x06 \x01(\r\x12\x13\n\x0bslice_count\x18\x07 \x01(\r\"\x82\x01\n\nPullHeader\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12!\n\x04kind\x18\x03 \x01(\x0e\x32\x13.diloco.v1.PullKind\x12\x15\n\rpayload_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cparams_crc32\x18\x05 \x01(\r\"V\n\x12PullParamsResponse\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.diloco.v1.PullHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"~\n\x10HeartbeatRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x0e\n\x06tokens\x18\x03 \x01(\x03\x12\x13\n\x0bstep_time_s\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\x15\n\rschedule_step\x18\x06 \x01(\x03\"\x8e\x01\n\x11HeartbeatResponse\x12\x14\n\x0cserver_epoch\x18\x01 \x01(\x04\x12\x19\n\x11\x66ragment_versions\x18\x02 \x03(\x03\x12\x15\n\rlive_learners\x18\x03 \x01(\r\x12\x1a\n\x12median_step_time_s\x18\x04 \x01(\x01\x12\x15\n\rschedule_step\x18\x05 \x01(\x03\"\"\n\x0cLeaveRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x0f\n\rLeaveResponse\"\x17\n\x15\x44\x65scribeShardsRequest\"\xab\x01\n\x16\x44\x65scribeShardsResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x13\n\x0bshard_count\x18\x02 \x01(\r\x12\x0e\n\x06map_id\x18\x03 \x01(\t\x12\x11\n\taddresses\x18\x04 \x03(\t\x12\x18\n\x10\x66ingerprint_hash\x18\x05 \x01(\t\x12\x11\n\tfragments\x18\x06 \x01(\r\x12\x17\n\x0f\x66ragment_owners\x18\x07 \x03(\r\"\x0f\n\rStatusRequest\"[\n\x0e\x46ragmentStatus\x12\x13\n\x0b\x66ragment_id\x18\x01 \x01(\r\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\r\n\x05owner\x18\x03 \x01(\r\x12\x14\n\x0cparams_crc32\x18\x04 \x01(\r\"\x81\x01\n\rLearnerStatus\x12\x12\n\nlearner_id\x18\x01 \x01(\t\x12\x0c\n\x04live\x18\x02 \x01(\x08\x12\x1a\n\x12last_push_fragment\x18\x03 \x01(\x03\x12\x19\n\x11last_push_version\x18\x04 \x01(\x03\x12\x17\n\x0flast_push_age_s\x18\x05 \x01(\x01\":\n\rSettingChange\x12\x0f\n\x07setting\x18\x01 \x01(\t\x12\x0b\n\x03was\x18\x02 \x01(\t\x12\x0b\n\x03now\x18\x03 \x01(\t\"\xfc\x01\n\x0eStatusResponse\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x13\n\x0bshard_count\x18\x02 \x01(\r\x12\x0e\n\x06map_id\x18\x03 \x01(\t\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12,\n\tfragments\x18\x05 \x03(\x0b\x32\x19.diloco.v1.FragmentStatus\x12\x15\n\rrounds_closed\x18\x06 \x01(\x04\x12*\n\x08learners\x18\x07 \x03(\x0b\x32\x18.diloco.v1.LearnerStatus\x12\x31\n\x0fsetting_changes\x18\x08 \x03(\x0b\x32\x18.diloco.v1.SettingChange*\x95\x01\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x12\n\x0e\x43ODEC_FP4_E2M1\x10\x03\x12\x12\n\x0e\x43ODEC_FP4_E3M0\x10\x04\x12\x15\n\x11\x43ODEC_SPARSE_2BIT\x10\x05\"\x04\x08\x06\x10\x06*\x10\x43ODEC_SPARSE_FP4*Q\n\x08PushKind\x12\x19\n\x15PUSH_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fPUSH_KIND_DELTA\x10\x01\x12\x15\n\x11PUSH_KIND_INITIAL\x10\x02*n\n\x08PullKind\x12\x19\n\x15PULL_KIND_UNSPECIFIED\x10\x00\x12\x16\n\x12PULL_KIND_SNAPSHOT\x10\x01\x12\x18\n\x14PULL_KIND_UP_TO_DATE\x10\x02\x12\x15\n\x11PULL_KIND_UPDATES\x10\x03\x32\xff\x03\n\nAggregator\x12\x37\n\x04Join\x12\x16.diloco.v1.JoinRequest\x1a\x17.diloco.v1.JoinResponse\x12Q\n\x0cPushFragment\x12\x1e.diloco.v1.PushFragmentRequest\x1a\x1f.diloco.v1.PushFragmentResponse(\x01\x12K\n\nPullParams\x12\x1c.diloco.v1.PullParamsRequest\x1a\x1d.diloco.v1.PullParamsResponse0\x01\x12\x46\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x1c.diloco.v1.HeartbeatResponse\x12:\n\x05Leave\x12\x17.diloco.v1.LeaveRequest\x1a\x18.diloco.v1.LeaveResponse\x12U\n\x0e\x44\x65scribeShards\x12 .diloco.v1.DescribeShardsRequest\x1a!.diloco.v1.DescribeShardsResponse\x12=\n\x06Status\x12\x18.diloco.v1.StatusRequest\x1a\x19.diloco.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco.v1.aggregator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=2635
-  _globals['_CODEC']._serialized_end=2784
-  _globals['_PUSHKIND']._serialized_start=2786
-  _globals['_PUSHKIND']._serialized_end=2867
-  _globals['_PULLKIND']._serialized_start=2869
-  _globals['_PULLKIND']._serialized_end=2979
+  _globals['_CODEC']._serialized_start=2743
+  _globals['_CODEC']._serialized_end=2892
+  _globals['_PUSHKIND']._serialized_start=2894
+  _globals['_PUSHKIND']._serialized_end=2975
+  _globals['_PULLKIND']._serialized_start=2977
+  _globals['_PULLKIND']._serialized_end=3087
   _globals['_ENCODEDTENSOR']._serialized_start=42
   _globals['_ENCODEDTENSOR']._serialized_end=171
   _globals['_ENCODEDFRAGMENT']._serialized_start=173
@@ -52,39 +52,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINRESPONSE']._serialized_start=596
   _globals['_JOINRESPONSE']._serialized_end=851
   _globals['_PUSHHEADER']._serialized_start=854
-  _globals['_PUSHHEADER']._serialized_end=1024
-  _globals['_PUSHFRAGMENTREQUEST']._serialized_start=1026
-  _globals['_PUSHFRAGMENTREQUEST']._serialized_end=1113
-  _globals['_PUSHFRAGMENTRESPONSE']._serialized_start=1115
-  _globals['_PUSHFRAGMENTRESPONSE']._serialized_end=1194
-  _globals['_PULLPARAMSREQUEST']._serialized_start=1197
-  _globals['_PULLPARAMSREQUEST']._serialized_end=1329
-  _globals['_PULLHEADER']._serialized_start=1332
-  _globals['_PULLHEADER']._serialized_end=1462
-  _globals['_PULLPARAMSRESPONSE']._serialized_start=1464
-  _globals['_PULLPARAMSRESPONSE']._serialized_end=1550
-  _globals['_HEARTBEATREQUEST']._serialized_start=1552
-  _globals['_HEARTBEATREQUEST']._serialized_end=1678
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1681
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1823
-  _globals['_LEAVEREQUEST']._serialized_start=1825
-  _globals['_LEAVEREQUEST']._serialized_end=1859
-  _globals['_LEAVERESPONSE']._serialized_start=1861
-  _globals['_LEAVERESPONSE']._serialized_end=1876
-  _globals['_DESCRIBESHARDSREQUEST']._serialized_start=1878
-  _globals['_DESCRIBESHARDSREQUEST']._serialized_end=1901
-  _globals['_DESCRIBESHARDSRESPONSE']._serialized_start=1904
-  _globals['_DESCRIBESHARDSRESPONSE']._serialized_end=2075
-  _globals['_STATUSREQUEST']._serialized_start=2077
-  _globals['_STATUSREQUEST']._serialized_end=2092
-  _globals['_FRAGMENTSTATUS']._serialized_start=2094
-  _globals['_FRAGMENTSTATUS']._serialized_end=2185
-  _globals['_LEARNERSTATUS']._serialized_start=2188
-  _globals['_LEARNERSTATUS']._serialized_end=2317
-  _globals['_SETTINGCHANGE']._serialized_start=2319
-  _globals['_SETTINGCHANGE']._serialized_end=2377
-  _globals['_STATUSRESPONSE']._serialized_start=2380
-  _globals['_STATUSRESPONSE']._serialized_end=2632
-  _globals['_AGGREGATOR']._serialized_start=2982
-  _globals['_AGGREGATOR']._serialized_end=3493
+  _globals['_PUSHHEADER']._serialized_end=1066
+  _globals['_PUSHFRAGMENTREQUEST']._serialized_start=1068
+  _globals['_PUSHFRAGMENTREQUEST']._serialized_end=1155
+  _globals['_PUSHFRAGMENTRESPONSE']._serialized_start=1157
+  _globals['_PUSHFRAGMENTRESPONSE']._serialized_end=1260
+  _globals['_PULLPARAMSREQUEST']._serialized_start=1263
+  _globals['_PULLPARAMSREQUEST']._serialized_end=1437
+  _globals['_PULLHEADER']._serialized_start=1440
+  _globals['_PULLHEADER']._serialized_end=1570
+  _globals['_PULLPARAMSRESPONSE']._serialized_start=1572
+  _globals['_PULLPARAMSRESPONSE']._serialized_end=1658
+  _globals['_HEARTBEATREQUEST']._serialized_start=1660
+  _globals['_HEARTBEATREQUEST']._serialized_end=1786
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1789
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1931
+  _globals['_LEAVEREQUEST']._serialized_start=1933
+  _globals['_LEAVEREQUEST']._serialized_end=1967
+  _globals['_LEAVERESPONSE']._serialized_start=1969
+  _globals['_LEAVERESPONSE']._serialized_end=1984
+  _globals['_DESCRIBESHARDSREQUEST']._serialized_start=1986
+  _globals['_DESCRIBESHARDSREQUEST']._serialized_end=2009
+  _globals['_DESCRIBESHARDSRESPONSE']._serialized_start=2012
+  _globals['_DESCRIBESHARDSRESPONSE']._serialized_end=2183
+  _globals['_STATUSREQUEST']._serialized_start=2185
+  _globals['_STATUSREQUEST']._serialized_end=2200
+  _globals['_FRAGMENTSTATUS']._serialized_start=2202
+  _globals['_FRAGMENTSTATUS']._serialized_end=2293
+  _globals['_LEARNERSTATUS']._serialized_start=2296
+  _globals['_LEARNERSTATUS']._serialized_end=2425
+  _globals['_SETTINGCHANGE']._serialized_start=2427
+  _globals['_SETTINGCHANGE']._serialized_end=2485
+  _globals['_STATUSRESPONSE']._serialized_start=2488
+  _globals['_STATUSRESPONSE']._serialized_end=2740
+  _globals['_AGGREGATOR']._serialized_start=3090
+  _globals['_AGGREGATOR']._serialized_end=3601
 # @@protoc_insertion_point(module_scope)

@@ -131,7 +131,7 @@ class JoinResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., server_epoch: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[FragmentLayout, _Mapping]]] = ..., lease_s: _Optional[float] = ..., mode: _Optional[str] = ..., layout: _Optional[str] = ..., schedule_step: _Optional[int] = ..., shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., map_id: _Optional[str] = ..., fragment_owners: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("session_id", "fragment_id", "base_version", "inner_steps", "tokens", "kind", "payload_bytes")
+    __slots__ = ("session_id", "fragment_id", "base_version", "inner_steps", "tokens", "kind", "payload_bytes", "slice_index", "slice_count")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,8 @@ class PushHeader(_message.Message):
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLICE_COUNT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     fragment_id: int
     base_version: int
@@ -146,7 +148,9 @@ class PushHeader(_message.Message):
     tokens: int
     kind: PushKind
     payload_bytes: int
-    def __init__(self, session_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    slice_index: int
+    slice_count: int
+    def __init__(self, session_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., base_version: _Optional[int] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., kind: _Optional[_Union[PushKind, str]] = ..., payload_bytes: _Optional[int] = ..., slice_index: _Optional[int] = ..., slice_count: _Optional[int] = ...) -> None: ...
 
 class PushFragmentRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -157,28 +161,34 @@ class PushFragmentRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PushFragmentResponse(_message.Message):
-    __slots__ = ("accepted", "round_version", "reason")
+    __slots__ = ("accepted", "round_version", "reason", "slices_pending")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ROUND_VERSION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    SLICES_PENDING_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     round_version: int
     reason: str
-    def __init__(self, accepted: _Optional[bool] = ..., round_version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    slices_pending: bool
+    def __init__(self, accepted: _Optional[bool] = ..., round_version: _Optional[int] = ..., reason: _Optional[str] = ..., slices_pending: _Optional[bool] = ...) -> None: ...
 
 class PullParamsRequest(_message.Message):
-    __slots__ = ("session_id", "fragment_id", "have_version", "wait_for_version", "wait_timeout_s")
+    __slots__ = ("session_id", "fragment_id", "have_version", "wait_for_version", "wait_timeout_s", "slice_index", "slice_count")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_ID_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_FOR_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SLICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SLICE_COUNT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     fragment_id: int
     have_version: int
     wait_for_version: int
     wait_timeout_s: float
-    def __init__(self, session_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_for_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ...) -> None: ...
+    slice_index: int
+    slice_count: int
+    def __init__(self, session_id: _Optional[str] = ..., fragment_id: _Optional[int] = ..., have_version: _Optional[int] = ..., wait_for_version: _Optional[int] = ..., wait_timeout_s: _Optional[float] = ..., slice_index: _Optional[int] = ..., slice_count: _Optional[int] = ...) -> None: ...
 
 class PullHeader(_message.Message):
     __slots__ = ("fragment_id", "version", "kind", "payload_bytes", "params_crc32")
