@@ -47,6 +47,7 @@ from learner.config import DilocoSyncConfig
 from learner.metrics import learner_registry
 from learner.progress import Progress
 from learner.session import SyncSession
+from learner.sliced import LocalSlices, ShardedIsland, is_sharded
 from learner.streaming import SyncStats
 
 __all__ = ["DilocoSync", "Stopped", "fingerprint"]
@@ -74,7 +75,11 @@ class DilocoSync:
     ) -> None:
         """`settings`: the connection and sync settings of `diloco-learner --help` (server,
         learner_id, TLS, sync_every_steps, ...), or all of them at once as `config`.
-        `tokens_per_step`: the tokens (or samples) one inner step trains on, which the server
+        A model whose parameters are DTensors (wrapped with fully_shard) makes this process
+        one rank of a sharded island (learner/sliced.py): every rank makes its DilocoSync
+        and calls step() after each inner step.
+        `tokens_per_step`: the tokens (or samples) one inner step trains on (on this rank,
+        for a sharded island: the island's are its ranks' sum), which the server
         weights pushes by; declared at Join, it bounds what each push may claim. `stop`: set
         it (e.g. from a signal handler) to interrupt a wait at a merge, which then raises
         Stopped."""
@@ -89,8 +94,16 @@ class DilocoSync:
             raise ValueError("the model has no parameters to train")
         self.progress = Progress(learner_id=self.config.connection.learner_id)
         self.tokens_per_step = tokens_per_step
+        # A model sharded with fully_shard (FSDP2, HSDP): this rank syncs its slices.
+        self.island = ShardedIsland(params) if is_sharded(params) else None
+        island_tokens = tokens_per_step * (self.island.world_size if self.island else 1)
         self.session = SyncSession(
-            self.config, params, fingerprint(model), self.progress, tokens_per_step
+            self.config,
+            LocalSlices(params) if self.island else params,
+            fingerprint(model),
+            self.progress,
+            island_tokens,
+            self.island,
         )
         self._stop = stop or threading.Event()
         self._open = self._closed = False

@@ -21,6 +21,7 @@ and the other ranks wait with it at the next collective.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,27 @@ import torch.distributed as dist
 from torch import nn
 
 LEADER = 0
+
+
+def restart_safe_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+    """The store a torchrun worker's process group should meet in: torchrun's own, with a
+    prefix for this restart attempt; None outside torchrun's agent store.
+
+    Why: with --max-restarts, the workers started again after a rank died meet in the store
+    that outlived them, and (torch 2.13, --standalone, gloo) read the dead workers' addresses
+    from it: "Gloo connectFullMesh failed ... Connection refused", and the island never comes
+    back. Each attempt's keys under their own prefix keep them apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"diloco/attempt_{attempt}", store)
 
 
 class Island:
@@ -76,7 +98,18 @@ class Island:
         self.device = device
         if self.distributed and not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            timeout = datetime.timedelta(seconds=timeout_s)
+            store = restart_safe_store(self.world_size, timeout)
+            if store is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=timeout,
+                )
         return device
 
     def wrap(self, model: nn.Module) -> nn.Module:

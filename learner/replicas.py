@@ -29,6 +29,7 @@ import grpc
 import torch
 
 from common.codec.fragment import encode_fragment, params_crc32
+from common.codec.slices import SliceCut, is_sliced
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from learner.client import AggregatorClient
 from learner.progress import SavedReplica
@@ -47,9 +48,16 @@ class ReplicaLoader:
         transport: GrpcTransport,
         params: Sequence[torch.Tensor],
         learner_id: str,
+        full_shapes: Sequence[tuple[int, ...]] = (),
+        slice_of: tuple[int, int] = (0, 0),
+        carries: bool = True,
     ) -> None:
+        """A rank of a sharded island (learner/sliced.py): `params` are its slices (index,
+        count) = `slice_of` of parameters shaped `full_shapes`; with `carries` False (HSDP's
+        replicas but the first) it neither offers nor pulls, replica 0 fills its replicas."""
         self.client, self.transport = client, transport
-        self.params, self.learner_id = list(params), learner_id
+        self.params, self.learner_id = params, learner_id
+        self.full_shapes, self.slice_of, self.carries = list(full_shapes), slice_of, carries
 
     def load(
         self,
@@ -68,7 +76,11 @@ class ReplicaLoader:
                 f.fragment_id,
                 list(f.param_indices),
                 [tuple(self.params[i].shape) for i in f.param_indices],
+                self._cut(f.param_indices),
             )
+            if not self.carries:  # HSDP's other replicas: replica 0 fills it
+                replicas.append(replica)
+                continue
             mine = saved.get((f.fragment_id, tuple(f.param_indices)))
             if f.fragment_id in away:
                 self._stand_in(replica, mine)
@@ -93,6 +105,13 @@ class ReplicaLoader:
                 "; ".join(resynced),
             )
         return replicas, kept
+
+    def _cut(self, indices: Sequence[int]) -> SliceCut | None:
+        """The slice of the fragment this rank holds; None for whole parameters."""
+        index, count = self.slice_of
+        if not is_sliced(count):
+            return None
+        return SliceCut([self.full_shapes[i] for i in indices], index, count)
 
     def _stand_in(self, replica: FragmentReplica, saved: SavedReplica | None) -> None:
         """Fill the replica of a fragment whose shard is away: as saved, or else the local
@@ -132,6 +151,8 @@ class ReplicaLoader:
             fragment_id=replica.fragment_id,
             base_version=-1,
             kind=pb.PUSH_KIND_INITIAL,
+            slice_index=self.slice_of[0],
+            slice_count=self.slice_of[1],
         )
         local = [self.params[i].detach() for i in replica.indices]
         try:

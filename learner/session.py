@@ -38,7 +38,8 @@ from learner.heartbeat import Heartbeat, Membership, Pacer
 from learner.progress import Progress, SavedReplica
 from learner.rejoin import ShardRejoins
 from learner.replicas import ReplicaLoader
-from learner.streaming import Schedule, StreamingSync, merge
+from learner.sliced import ShardedIsland
+from learner.streaming import FragmentReplica, Schedule, StreamingSync, merge
 from learner.transport import GrpcTransport
 
 log = logging.getLogger("diloco.learner")
@@ -54,16 +55,30 @@ class SyncSession:
         fingerprint: Sequence[pb.ParamSpec],
         progress: Progress,
         tokens_per_step: int,
+        island: ShardedIsland | None = None,
     ) -> None:
+        """`island`: this process is one rank of a sharded island and `params` are its
+        slices (learner/sliced.py); `tokens_per_step` is then the island's."""
         self.config = config
+        self.island = island
         self.learner_id = config.connection.learner_id
-        self.params = list(params)
+        self.params = params
         self.fingerprint = list(fingerprint)
         self.progress = progress
         self.tokens_per_step = tokens_per_step
         self.client = connect(config.connection)
         self.transport = GrpcTransport(self.client, lambda: self.membership.session_id)
-        self.replicas = ReplicaLoader(self.client, self.transport, self.params, self.learner_id)
+        if island is not None:
+            self.transport.slice_of, self.transport.carries = island.slice_of, island.carries
+        self.replicas = ReplicaLoader(
+            self.client,
+            self.transport,
+            self.params,
+            self.learner_id,
+            [tuple(spec.shape) for spec in self.fingerprint],
+            self.transport.slice_of,
+            self.transport.carries,
+        )
         self.sync: StreamingSync | None = None
         self.step = 0  # the schedule step, shared in phase by all learners (Schedule.resume_step)
         self.pacer = Pacer(config.sync)
@@ -111,7 +126,8 @@ class SyncSession:
         except Stopped as stopped:
             # Asked to stop while the server is away: end with the server's error.
             raise stopped.__cause__ from None
-        self.heartbeat.start()
+        if self.island is None or self.island.is_leader:
+            self.heartbeat.start()  # the island's leader keeps the lease of its session
 
     def after_inner_step(self) -> bool:
         """Advance the schedule by one inner step: rejoin the shards that lost the session,
@@ -122,8 +138,10 @@ class SyncSession:
         """
         if self.sync is None:
             raise RuntimeError("after_inner_step() before the session joined")
-        changed = self.shard_rejoins.try_rejoin()  # keeps training while a shard is away
+        changed = self.island is None and self.shard_rejoins.try_rejoin()
         advance = self.pacer.steps(self.progress)
+        if self.island is not None and not self.pacer.blocking:
+            advance = self.island.leader_value(advance)  # the pace its heartbeats steer
         for _ in range(advance):
             self.step += 1
             self.sync.push_phase(self.step, self.progress.inner_steps)
@@ -146,6 +164,9 @@ class SyncSession:
         self.sync.blocking = True  # the run is over: waiting costs no training
         self.sync.merge_phase(self.step + self.config.sync.overlap_steps)
         self._count_blocked()
+        if self.island is not None:  # its merges checked that every rank is joined
+            self.sync.load_globals()
+            return
         self.shard_rejoins.try_rejoin(now=True)
         self.sync.load_globals(keep=self.client.away())
 
@@ -172,18 +193,22 @@ class SyncSession:
         cfg = self.config.sync
         # The tokens of one step, declared: the server refuses pushes that claim more.
         # The client then holds the new membership, replaced whole (ShardSessions).
-        reply = self.client.join(self.learner_id, self.fingerprint, self.tokens_per_step)
-        log.info(
-            "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s",
-            self.learner_id,
-            reply.server_epoch,
-            reply.mode,
-            len(reply.fragments),
-            reply.layout,
-        )
+        reply = self._join_island() if self.island else self._join_shards()
+        if self.island is None or self.island.is_leader:
+            log.info(
+                "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s%s",
+                self.learner_id,
+                reply.server_epoch,
+                reply.mode,
+                len(reply.fragments),
+                reply.layout,
+                self.island.describe() if self.island else "",
+            )
         # Fragments whose shard did not answer come in when it does (ShardRejoins).
         away = self.client.away()
         replicas, kept = self.replicas.load(reply.session_id, reply.fragments, resume, away)
+        if self.island is not None:
+            kept = self._settle_island(replicas, kept)
         schedule = Schedule(cfg.sync_every_steps, len(replicas), cfg.overlap_steps)
         blocking = self.pacer.blocking = reply.mode == "sync"  # quorum, async: never wait
         if not blocking and reply.schedule_step > 0:
@@ -205,6 +230,7 @@ class SyncSession:
             push_feedback_decay=cfg.push_feedback_decay,
             push_feedback_in_model=cfg.push_feedback_in_model,
             away=self.client.away,
+            island=self.island,
         )
         # The run's total, so that a resumed learner's goes on from its checkpoint's.
         self.sync.stats.blocked_s = self.progress.blocked_on_sync_s
@@ -220,9 +246,38 @@ class SyncSession:
                 self.client.traffic.received,
             )
 
+    def _settle_island(self, replicas: list[FragmentReplica], kept: set[int]) -> set[int]:
+        """Every rank's replicas at one version per fragment; returns the fragments whose
+        local parameters the island keeps: those every rank kept and none had to catch up
+        on (so that no fragment is half kept, half the server's)."""
+        assert self.island is not None
+        agreed = set()
+        for replica in replicas:
+            before = replica.version
+            pull = lambda v, r=replica: self.transport.pull(r.fragment_id, r.version, v)  # noqa: E731
+            self.island.settle(replica, False, pull)
+            mine = replica.fragment_id in kept and replica.version == before
+            if self.island.all_true(mine):
+                agreed.add(replica.fragment_id)
+        return agreed
+
+    def _join_shards(self) -> pb.JoinResponse:
+        return self.client.join(self.learner_id, self.fingerprint, self.tokens_per_step)
+
+    def _join_island(self) -> pb.JoinResponse:
+        """The island's leader joins; every rank takes its session (one learner)."""
+        assert self.island is not None
+        replies = None
+        if self.island.is_leader:
+            self._join_shards()
+            replies = [r.SerializeToString() if r else None for r in self.client.last_join]
+        replies = self.island.broadcast_object(replies)
+        joined = [pb.JoinResponse.FromString(r) if r else None for r in replies]
+        return self.client.adopt(joined, self.learner_id)
+
     def _leave(self) -> None:
         session_id = self.membership.session_id
-        if not session_id:
+        if not session_id or (self.island is not None and not self.island.is_leader):
             return
         try:
             self.client.leave(session_id)

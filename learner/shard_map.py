@@ -159,12 +159,9 @@ class ShardMap:
             except grpc.RpcError as err:  # retryable: the shard is away (others raise)
                 replies.append(None)
                 unreachable[shard] = err
-        answered = [shard for shard, r in enumerate(replies) if r is not None]
-        if not answered:
+        if len(unreachable) == self.count:
             raise unreachable[0]  # the session backs off and joins again
-        first = replies[answered[0]]
-        for shard in answered:  # the first against itself first: its index, N
-            check_shard(replies[shard], shard, self.addresses[shard], self.count, first)
+        self.agree(replies)
         for shard, err in unreachable.items():
             log.warning(
                 "shard=%d at %s unreachable at join (%s); joining the others, it is "
@@ -173,8 +170,18 @@ class ShardMap:
                 self.addresses[shard],
                 err.code().name,
             )
-        self._agreed, self.owners = first, list(first.fragment_owners)
         return replies
+
+    def agree(self, replies: Sequence[pb.JoinResponse | None]) -> None:
+        """Take the map of a join's replies (join_all's, or those another rank of an island
+        got: learner/sliced.py) once every answer agrees with the first; ShardMapError if
+        one does not."""
+        answered = [shard for shard, r in enumerate(replies) if r is not None]
+        first = replies[answered[0]]
+        assert first is not None
+        for shard in answered:  # the first against itself first: its index, N
+            check_shard(replies[shard], shard, self.addresses[shard], self.count, first)
+        self._agreed, self.owners = first, list(first.fragment_owners)
 
     def join_one(
         self, shard: int, learner_id: str, fingerprint: Sequence[pb.ParamSpec], tokens: int

@@ -58,6 +58,7 @@ class ShardedClient:
         self.map = ShardMap(addresses, credentials, metadata, self.traffic)
         self.sessions = ShardSessions()
         self._versions: list[int] = []  # last known version of each fragment
+        self.last_join: list[pb.JoinResponse | None] = []  # each shard's reply, in order
 
     @property
     def addresses(self) -> list[str]:
@@ -108,7 +109,14 @@ class ShardedClient:
     ) -> pb.JoinResponse:
         """Join every shard (AggregatorClient.join's arguments); one reply whose session and
         epoch stand for all of them."""
-        replies = self.map.join_all(learner_id, fingerprint, tokens_per_step)
+        self.last_join = self.map.join_all(learner_id, fingerprint, tokens_per_step)
+        return self.adopt(self.last_join, learner_id)
+
+    def adopt(self, replies: Sequence[pb.JoinResponse | None], learner_id: str) -> pb.JoinResponse:
+        """Take the session of a join's replies (join's own, or those the leader of an
+        island got: its ranks share one session, learner/sliced.py) without a call."""
+        self.map.discover()
+        self.map.agree(replies)
         reply = pb.JoinResponse()
         reply.CopyFrom(self.map.agreed)
         reply.schedule_step = max(r.schedule_step for r in replies if r is not None)
@@ -152,12 +160,13 @@ class ShardedClient:
         have_version: int,
         wait_for_version: int = 0,
         wait_timeout_s: float = 0.0,
+        slice_of: tuple[int, int] = (0, 0),
     ) -> tuple[pb.PullHeader, bytes]:
         shard = self.shard_of(fragment_id)
         session = session_of(session_id, shard, self.shard_count)
         with self.sessions.noting_lost(shard, session, "pull"):
             return self.map.clients[shard].pull(
-                session, fragment_id, have_version, wait_for_version, wait_timeout_s
+                session, fragment_id, have_version, wait_for_version, wait_timeout_s, slice_of
             )
 
     def heartbeat(self, request: pb.HeartbeatRequest) -> pb.HeartbeatResponse:

@@ -29,6 +29,7 @@ from common.codec.fragment import (
     fragment_with_feedback,
     params_crc32,
 )
+from common.codec.slices import SliceCut
 from common.codec.sparse import (
     DEFAULT_FEEDBACK_DECAY,
     DEFAULT_FEEDBACK_IN_MODEL,
@@ -126,13 +127,34 @@ class Transport(Protocol):
         """True if finish_sync would return without waiting."""
 
 
+class IslandAgreement(Protocol):
+    """What the ranks of a sharded island agree on at each sync (learner/sliced.py)."""
+
+    def all_true(self, flag: bool) -> bool: ...
+
+    def check_joined(self, lost: bool) -> None: ...
+
+    def settle(
+        self, replica: FragmentReplica, lost: bool, pull: Callable[[int], PullReply]
+    ) -> None: ...
+
+
 class FragmentReplica:
     """The learner's exact copy of one global fragment (float32, on the CPU)."""
 
-    def __init__(self, fragment_id: int, indices: list[int], shapes: list[tuple[int, ...]]):
+    def __init__(
+        self,
+        fragment_id: int,
+        indices: list[int],
+        shapes: list[tuple[int, ...]],
+        cut: SliceCut | None = None,
+    ):
+        """`cut`: the slice of the fragment this replica holds (a rank of a sharded island,
+        common/codec/slices.py); `shapes` are then the slice's."""
         self.fragment_id = fragment_id
         self.indices = indices
         self.shapes = shapes
+        self.cut = cut
         self.version = -1
         self.params: list[torch.Tensor] = []
 
@@ -145,7 +167,10 @@ class FragmentReplica:
             version = reply.version
         elif reply.kind == pb.PULL_KIND_UPDATES:
             params = [p.clone() for p in self.params]
-            version = apply_updates(params, reply.payload, self.version)
+            if self.cut is None:
+                version = apply_updates(params, reply.payload, self.version)
+            else:
+                version = self.cut.apply_updates(params, reply.payload, self.version)
         else:
             raise ValueError(f"unknown pull kind {reply.kind}")
         crc = params_crc32(params)
@@ -187,6 +212,7 @@ class StreamingSync:
         push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY,
         push_feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL,
         away: Callable[[], Collection[int]] = frozenset,
+        island: IslandAgreement | None = None,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
         Otherwise (quorum, async) keep training and merge on arrival. A sparse `push_codec`
@@ -197,10 +223,12 @@ class StreamingSync:
         again); otherwise the merge takes the global value and the push adds β·e to its
         delta. Both send the same bytes. `away()`: the fragments
         whose shard does not know the session now (ShardedClient.away); their pushes are
-        skipped, so that nothing waits for them, until the shard is joined again."""
+        skipped, so that nothing waits for them, until the shard is joined again. `island`:
+        this learner is one rank of a sharded island, syncing its slice; the ranks agree
+        when to merge and on the version merged, and a lost session ends them all."""
         if not 0 <= merge_alpha <= 1:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
-        self.params = list(params)
+        self.params = params  # a Sequence looked up at each use (learner/sliced.py LocalSlices)
         self.replicas = replicas
         self.schedule = schedule
         self.transport = transport
@@ -215,6 +243,7 @@ class StreamingSync:
         self.tokens_per_step = tokens_per_step
         self.blocking = blocking
         self.away = away
+        self.island = island
         self.stats = SyncStats()
         # fragment -> (handle, push bytes, the step after which it is due for merging)
         self._in_flight: dict[int, tuple[Any, int, int]] = {}
@@ -236,6 +265,8 @@ class StreamingSync:
         clock = self._clock = step if inner_step is None else inner_step
         due = self.schedule.pushes_at(step)
         away = self.away() if due else ()
+        if self.island is not None and due:
+            self.island.check_joined(bool(away))  # no rank pushes where any lost the session
         for p in due:
             if p in self._in_flight:
                 # Non-blocking only: the last sync is still out. Keep training; the next
@@ -293,16 +324,21 @@ class StreamingSync:
         blocking mode, otherwise merge it after a later step, when it has arrived."""
         merged = []
         for p, (handle, push_bytes, due) in sorted(self._in_flight.items()):
-            if due > step or (not self.blocking and not self.transport.ready(handle)):
+            if due > step or not self._ready(handle):
                 continue
             del self._in_flight[p]
             started = time.perf_counter()
             reply = self.transport.finish_sync(handle)
             self.stats.blocked_s += time.perf_counter() - started
+            replica = self.replicas[p]
+            if reply is not None:
+                replica.apply(reply)
+            if self.island is not None:  # waits for the other ranks (and may pull)
+                started = time.perf_counter()
+                self.island.settle(replica, reply is None, lambda v, r=replica: self._pull(r, v))
+                self.stats.blocked_s += time.perf_counter() - started
             if reply is None:
                 continue  # the fragment is synced again when its shard is joined again
-            replica = self.replicas[p]
-            replica.apply(reply)
             merge(self.local(replica), self.merge_target(replica), self.merge_alpha)
             self.stats.syncs += 1
             self.stats.late_merges += due < step
@@ -312,6 +348,21 @@ class StreamingSync:
             )
             merged.append(p)
         return merged
+
+    def _ready(self, handle: Any) -> bool:
+        """Whether to merge a sync due now: blocking, wait for it; otherwise merge once it
+        is back (on every rank of a sharded island)."""
+        if self.blocking:
+            return True
+        ready = self.transport.ready(handle)
+        return ready if self.island is None else self.island.all_true(ready)
+
+    def _pull(self, replica: FragmentReplica, version: int) -> PullReply:
+        """The replica's fragment pulled up to `version` (an island's rank catching up)."""
+        pull = getattr(self.transport, "pull", None)
+        if pull is None:
+            raise RuntimeError("a sharded island needs a transport that can pull")
+        return pull(replica.fragment_id, replica.version, version)
 
     def in_flight(self) -> list[int]:
         return sorted(self._in_flight)

@@ -51,10 +51,20 @@ class GrpcTransport:
         self._abandon: dict[int, threading.Event] = {}
         self.stop_requested = threading.Event()  # the learner's stop (Learner.run sets it)
         self._workers: dict[int, ThreadPoolExecutor] = {}  # by shard, made when first used
+        # (index, count): a rank of a sharded island pushes and pulls its slice of every
+        # fragment (learner/sliced.py); count 0: whole fragments.
+        self.slice_of = (0, 0)
+        # False for an HSDP rank outside replica 0: it sends nothing, and takes replica 0's
+        # merged slice over the island's network.
+        self.carries = True
 
     def start_sync(
         self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
     ) -> Future[PullReply]:
+        if not self.carries:
+            done: Future[PullReply] = Future()
+            done.set_result(PullReply(pb.PULL_KIND_UP_TO_DATE, base_version, b"", 0))
+            return done
         session = self.session_id()  # fixed now: a rejoin later must not adopt this push
         shard = self.shard_of(fragment_id)
         if shard not in self._workers:
@@ -116,7 +126,7 @@ class GrpcTransport:
 
             def call():
                 return self.client.pull(
-                    session, fragment_id, have_version, wait_for_version, PULL_WAIT_S
+                    session, fragment_id, have_version, wait_for_version, PULL_WAIT_S, self.slice_of
                 )
 
             header, payload = self._retry(call, abandon, fragment_id) if retry else call()
@@ -158,11 +168,17 @@ class GrpcTransport:
             tokens=tokens,
             inner_steps=inner_steps,
             kind=pb.PUSH_KIND_DELTA,
+            slice_index=self.slice_of[0],
+            slice_count=self.slice_of[1],
         )
         try:
-            target = self._retry(
-                lambda: self.client.push(header, payload), abandon, fragment_id
-            ).round_version
+            answer = self._retry(lambda: self.client.push(header, payload), abandon, fragment_id)
+            if answer.slices_pending:
+                # The island's other ranks' slices are still due: the rank whose slice
+                # completes the set learns how it went, and the island's ranks agree on the
+                # version to merge (learner/sliced.py). Nothing to wait for here.
+                return PullReply(pb.PULL_KIND_UP_TO_DATE, base_version, b"", 0)
+            target = answer.round_version
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.ALREADY_EXISTS:
                 # A retry of a push whose first attempt did arrive: it counts once, as it should.
