@@ -169,6 +169,9 @@ class DataConfig:
             raise ValueError("data_shard needs data_shards (the number of shards) to be set")
 
 
+ISLAND_SHARDINGS = ("ddp", "fsdp", "hsdp")
+
+
 @dataclass(kw_only=True)
 class TrainingConfig:
     """The inner optimizer, where it runs, and when the run ends."""
@@ -187,6 +190,13 @@ class TrainingConfig:
     included, divided by --learners-per-host)."""
     learners_per_host: int = 1
     """How many learners share this host, to size the default thread count."""
+    island_sharding: str = "ddp"
+    """How an island's ranks (torchrun) hold the model: `ddp` (each rank all of it; rank 0
+    syncs for the island), `fsdp` (FSDP2: each rank a slice of every parameter, which it
+    syncs itself) or `hsdp` (hsdp_replicas copies of an FSDP2 group; replica 0's ranks sync).
+    One process: the setting does nothing."""
+    hsdp_replicas: int = 2
+    """With island_sharding hsdp: the replicas, which must divide the island's ranks."""
     max_outer_steps: int = 0
     """Stop after this many outer steps (0: no limit)."""
     duration_s: float = 0.0
@@ -209,7 +219,12 @@ class TrainingConfig:
     """Where the cosine ends, as a fraction of inner_lr."""
 
     def __post_init__(self) -> None:
-        _at_least(self, 1, "eval_batches", "learners_per_host")
+        _at_least(self, 1, "eval_batches", "learners_per_host", "hsdp_replicas")
+        if self.island_sharding not in ISLAND_SHARDINGS:
+            raise ValueError(
+                f"island_sharding must be one of {', '.join(ISLAND_SHARDINGS)}, "
+                f"got {self.island_sharding!r}"
+            )
         _at_least(self, 0, "max_outer_steps", "duration_s", "torch_threads", "lr_schedule_steps")
         if not self.inner_lr > 0:
             raise ValueError(f"inner_lr must be > 0, got {self.inner_lr}")

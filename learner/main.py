@@ -49,7 +49,7 @@ def main() -> None:
     try:
         learner = Learner(config, Island.from_env(os.environ))
         observability = config.observability
-        if observability.metrics_listen and learner.sync is not None:  # rank 0 of an island
+        if observability.metrics_listen and learner.island.is_leader:  # rank 0 of an island
             registry = learner.sync.metrics_registry()
             port = serve_metrics(
                 observability.metrics_listen, registry, observability.metrics_port_file

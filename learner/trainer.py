@@ -38,6 +38,7 @@ from learner.island import Island
 from learner.model import GPT
 from learner.progress import Progress
 from learner.simulated_speed import SimulatedSpeed
+from learner.sliced import local, shard_model
 
 __all__ = ["Learner", "Progress", "initial_model"]
 
@@ -90,8 +91,22 @@ class Learner:
         self.device = island.start(resolve_device(training.device))
         # Initialised on the CPU, then moved: the same seed gives the same model anywhere.
         self.model = initial_model(config, island.is_leader).to(self.device)
-        self.train_model = island.wrap(self.model)  # DDP across the island's ranks
-        self.eval_model = copy.deepcopy(self.model)  # holds the global parameters for eval
+        # Sharded (FSDP2, HSDP): every rank syncs its own slices (learner/sliced.py).
+        self.sharded = island.distributed and training.island_sharding != "ddp"
+        if self.sharded:
+            if config.checkpoint.checkpoint_dir:
+                raise ValueError(
+                    "checkpoint_dir is not supported with island_sharding fsdp or hsdp: a "
+                    "restarted sharded island joins again from the global parameters"
+                )
+            island.broadcast_params(list(self.model.parameters()))  # rank 0's, before slicing
+            replicas = training.hsdp_replicas if training.island_sharding == "hsdp" else 1
+            shard_model(self.model, list(self.model.blocks), replicas, self.device)
+            self.train_model = self.model
+        else:
+            self.train_model = island.wrap(self.model)  # DDP across the island's ranks
+        # Holds the global parameters for eval; a sharded island swaps them in instead.
+        self.eval_model = None if self.sharded else copy.deepcopy(self.model)
         self.params = [p for _, p in self.model.named_parameters()]
         train, val = load_corpus(data.corpus, data.corpus_max_bytes)
         learner_id = config.connection.learner_id
@@ -114,10 +129,13 @@ class Learner:
         self._lr_schedule = training.inner_lr_schedule()
         self._steps_taken = 0  # inner steps of this rank, a checkpoint's included
         self._simulated_speed = SimulatedSpeed(config.simulation)
-        tokens_per_step = data.batch_size * model_cfg.block_size * island.world_size
+        self._saved_params: list[torch.Tensor] = []  # a sharded island's, gathered at the end
+        # DDP: rank 0 speaks for every rank's tokens; sharded: each rank for its own.
+        tokens_per_step = data.batch_size * model_cfg.block_size
+        tokens_per_step *= 1 if self.sharded else island.world_size
         self.sync = (
             DilocoSync(self.model, tokens_per_step=tokens_per_step, config=config.library())
-            if island.is_leader
+            if island.is_leader or self.sharded
             else None  # only rank 0 talks to the aggregator
         )
         # Rank 0's progress is the sync's (it speaks for the island); the others count none.
@@ -142,14 +160,14 @@ class Learner:
         try:
             if self.sync is not None:
                 self.sync.open(stop)
-            island.broadcast_params(self.params)  # every rank starts from the global values
+            self._share_params()  # every rank starts from the global values
             # Back by a checkpoint's train_wall_s: a resumed run's goes on from there.
             train_started = time.monotonic() - self.progress.train_wall_s
             self._record_eval()  # inside train_wall_s, as eval_s is
             while not island.agree([self._done(stop, started)])[0]:
                 changed, stopped, outer_step = island.agree(self._advance(self._inner_step()))
                 if changed:
-                    island.broadcast_params(self.params)
+                    self._share_params()
                 if stopped:
                     break  # asked to stop while waiting at a merge
                 if outer_step:
@@ -159,16 +177,24 @@ class Learner:
                     checkpoint.save()
             if self.sync is not None:
                 self.sync.drain()  # merges the syncs in flight, unless asked to stop
-            island.broadcast_params(self.params)
+            self._share_params()
             if checkpoint is not None:
                 checkpoint.save()
-            crc = params_crc32([p.detach().cpu() for p in self.params])
+            crc = params_crc32([local(p).detach().cpu() for p in self.params])
             self.progress.rank_params_crc32 = island.gather_object(crc)
+            if self.sharded and self.config.observability.save_params:  # a collective
+                self._saved_params = [p.full_tensor().detach().cpu() for p in self.params]
         finally:
             self.progress.data_position = self.batches.position
             if self.sync is not None:
                 self.sync.close(drain=False)  # leave, after the final checkpoint
         return self.progress
+
+    def _share_params(self) -> None:
+        """DDP: every rank takes rank 0's parameters (after a merge); sharded: nothing to
+        do, each rank merged its own slices."""
+        if not self.sharded:
+            self.island.broadcast_params(self.params)
 
     def _done(self, stop: threading.Event, started: float) -> bool:
         training, p = self.config.training, self.progress
@@ -219,19 +245,41 @@ class Learner:
         if self.sync is None:
             return  # not rank 0: the island's leader evaluates
         started = time.perf_counter()
-        eval_params = [p for _, p in self.eval_model.named_parameters()]
-        with torch.no_grad():
-            for i, g in self.sync.global_params().items():
-                eval_params[i].copy_(g)
-            self.eval_model.eval()
-            losses = [
-                self.eval_model(x.to(self.device), y.to(self.device))[1].item()
-                for x, y in self.eval_set
-            ]
+        if self.sharded:
+            losses = self._eval_sharded()
+        else:
+            assert self.eval_model is not None
+            eval_params = [p for _, p in self.eval_model.named_parameters()]
+            with torch.no_grad():
+                for i, g in self.sync.global_params().items():
+                    eval_params[i].copy_(g)
+            losses = self._eval_losses(self.eval_model)
+        if not self.island.is_leader:
+            return  # a sharded rank evaluated with the others; the leader reports
         loss = sum(losses) / len(losses)
         self.progress.eval_losses.append(loss)
         self.progress.eval_s += time.perf_counter() - started
         self._log_status(loss)
+
+    def _eval_losses(self, model: torch.nn.Module) -> list[float]:
+        model.eval()
+        with torch.no_grad():
+            return [model(x.to(self.device), y.to(self.device))[1].item() for x, y in self.eval_set]
+
+    def _eval_sharded(self) -> list[float]:
+        """The losses of the global slices, swapped into the sharded model (every rank
+        together: its forward gathers the slices), then the local ones back."""
+        assert self.sync is not None
+        with torch.no_grad():
+            kept = [local(p).clone() for p in self.params]
+            for i, g in self.sync.global_params().items():
+                local(self.params[i]).copy_(g)
+            try:
+                return self._eval_losses(self.model)
+            finally:
+                for p, mine in zip(self.params, kept, strict=True):
+                    local(p).copy_(mine)
+                self.model.train()
 
     def _log_status(self, eval_loss: float) -> None:
         p, stats, traffic = self.progress, self.sync.stats, self.sync.traffic
@@ -259,7 +307,10 @@ class Learner:
         )
 
     def save_params(self, path: str) -> None:
-        torch.save({n: p.detach().cpu().clone() for n, p in self.model.named_parameters()}, path)
+        """Save the full parameters (rank 0; a sharded island gathered them in run())."""
+        names = [n for n, _ in self.model.named_parameters()]
+        params = self._saved_params if self.sharded else self.params
+        torch.save({n: p.detach().cpu().clone() for n, p in zip(names, params, strict=True)}, path)
 
 
 class _StatusClock:

@@ -19,6 +19,7 @@ from common.codec.fragment import params_crc32
 from common.codec.slices import SliceCut
 from common.retry import wait_until
 from deploy.launcher import Daemon, start_daemon
+from tests.support.processes import TINY_LEARNER_FLAGS
 
 OUTER_STEPS = 3
 EXAMPLE = ("-m", "learner.examples.fsdp_island", "--insecure", "--sync-every-steps", "6")
@@ -189,3 +190,21 @@ def test_a_rank_killed_mid_round_restarts_the_island_as_the_same_learner(
         cut = SliceCut([tuple(t.shape) for t in params], rank["slice_of"][0], 2)
         assert rank["params_crc32"] == [params_crc32([cut.of(t, i) for i, t in enumerate(params)])]
 
+
+def test_the_built_in_learner_as_an_fsdp_island(start_service, tmp_path) -> None:
+    service = start_service(fragments=2, min_contributors=1)
+    argv = torchrun(2, "-m", "learner.main", "--server", f"127.0.0.1:{service.port}")
+    argv += ["--learner-id", "builtin", *TINY_LEARNER_FLAGS, "--n-layer", "2"]
+    argv += ["--island-sharding", "fsdp", "--max-outer-steps", str(OUTER_STEPS)]
+    argv += ["--summary-file", str(tmp_path / "s.json"), "--save-params", str(tmp_path / "p.pt")]
+    finish(start_daemon("builtin", argv, tmp_path / "builtin.log", env=ENV), tmp_path, "builtin")
+    assert "learner=builtin joined" in (tmp_path / "builtin.log").read_text()
+    assert "island_ranks=2 slices=2" in (tmp_path / "builtin.log").read_text()
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["outer_steps"] == OUTER_STEPS and summary["island_size"] == 2
+    assert len(summary["eval_losses"]) == OUTER_STEPS + 1
+    assert versions([service]) == {0: OUTER_STEPS, 1: OUTER_STEPS}
+    saved = list(torch.load(tmp_path / "p.pt").values())
+    for fid, indices, _ in service.aggregator.layout():
+        for i, want in zip(indices, service.aggregator.params(fid), strict=True):
+            assert torch.equal(saved[i], want)  # gathered from the slices: the server's
