@@ -80,6 +80,16 @@ def _block_scale_exponents(blocks: torch.Tensor, top: float) -> torch.Tensor:
     return exps.clamp(MIN_SCALE_EXP, E8M0_NAN - 1 - E8M0_BIAS)
 
 
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value is finite, in one pass and without a temporary: NaN and the
+    infinities propagate to the extremes aminmax returns. A tenth of isfinite().all()'s
+    time on 3 M values here (it writes a bool tensor first), which was half a push's encode."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
+
 def quantize_fp4(
     flat: torch.Tensor,
     codec: int = pb.CODEC_FP4_E2M1,
@@ -172,6 +182,6 @@ def dequantize_fp4(
     exps = scale_bytes.to(torch.int32) - E8M0_BIAS
     per_element = exps.repeat_interleave(FP4_BLOCK)[:numel].float()
     decoded = torch.ldexp(values, per_element)
-    if not bool(torch.isfinite(decoded).all()):
+    if not all_finite(decoded):
         raise InvalidArgument(NOT_FINITE)
     return decoded

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from common.checksum import crc32
-from common.codec.fp4 import FP4_BLOCK, dequantize_fp4, quantize_fp4
+from common.codec.fp4 import FP4_BLOCK, all_finite, dequantize_fp4, quantize_fp4
 from common.codec.framing import Part, fragment_parts
 from common.codec.sparse import (
     DEFAULT_TOPK_FRACTION,
@@ -61,8 +61,6 @@ _FRAMING_BYTES_PER_TENSOR = 64
 ALIGN_VALUES = 32 * SPARSE_CHUNK
 # Snapshot payloads smaller than this are copied.
 COPY_BELOW_BYTES = 64 << 10
-# Values checked for finiteness at a time (a bool temporary of this many bytes).
-_FINITE_CHECK_VALUES = 1 << 20
 
 
 def encode_fragment(
@@ -149,7 +147,7 @@ def fragment_with_feedback(
         if decay != 1.0:
             residual.mul_(decay)
         flat = (t.detach().reshape(-1).to(torch.float32) + residual.view(-1)).contiguous()
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             raise ValueError("cannot encode a tensor with NaN or infinite values")
         enc = encode_sparse(flat, codec, k)
         torch.sub(flat, enc.dense(flat.numel()), out=residual.view(-1))
@@ -252,9 +250,8 @@ class TensorBytes:
             or flat.data_ptr() != (tensor.data_ptr())
         ):
             raise ValueError("TensorBytes needs a contiguous float32 CPU tensor")
-        for start in range(0, flat.numel(), _FINITE_CHECK_VALUES):
-            if not bool(torch.isfinite(flat[start : start + _FINITE_CHECK_VALUES]).all()):
-                raise ValueError("cannot encode a tensor with NaN or infinite values")
+        if not all_finite(flat):
+            raise ValueError("cannot encode a tensor with NaN or infinite values")
         self._view: memoryview | None = memoryview(flat.numpy()).cast("B")
         self._frozen: bytes | None = None
         self._lock = lock

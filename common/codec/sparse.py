@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from common.codec import native
-from common.codec.fp4 import BF16_MAX, NOT_FINITE
+from common.codec.fp4 import BF16_MAX, NOT_FINITE, all_finite
 from common.errors import InvalidArgument
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 
@@ -179,7 +179,7 @@ def sparse_entries(
         )
     codes = unpack_codes(raw[split:], n, VALUE_BITS)
     values = decode_codes(codes, scales, chunk_of)
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         raise InvalidArgument(NOT_FINITE)
     return positions, values
 

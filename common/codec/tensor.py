@@ -42,6 +42,7 @@ from common.codec.fp4 import (
     NAN_SCALE,
     NOT_FINITE,
     ROUNDINGS,
+    all_finite,
     dequantize_fp4,
     quantize_fp4,
 )
@@ -242,7 +243,7 @@ def encode(
     codec = codec_id(codec) if isinstance(codec, str) else codec
     if codec in SPARSE_CODECS:
         flat = tensor.detach().reshape(-1).to(torch.float32)
-        if not bool(torch.isfinite(flat).all()):
+        if not all_finite(flat):
             raise ValueError("cannot encode a tensor with NaN or infinite values")
         enc = encode_sparse(flat, codec, sparse_k)
         payload, scales = _host_bytes(enc.payload()), _host_bytes(enc.scales)
@@ -261,7 +262,7 @@ def encode_values(
     raises ValueError on non-finite values. The buffers may be the tensor's own memory: use
     them before the tensor changes."""
     flat = tensor.detach().reshape(-1).to(torch.float32)
-    if not bool(torch.isfinite(flat).all()):
+    if not all_finite(flat):
         raise ValueError("cannot encode a tensor with NaN or infinite values")
     if codec == pb.CODEC_FP32:
         return _host_bytes(flat), memoryview(b"")
@@ -318,6 +319,6 @@ def decode_values(tensor: WireTensor, device: str | torch.device = "cpu") -> tor
         scales = torch.frombuffer(bytearray(tensor.scales), dtype=torch.uint8).to(device)
         flat = dequantize_fp4(packed, scales, numel, tensor.codec)
         return flat.reshape(shape)  # dequantize_fp4 has checked the values are finite
-    if not bool(torch.isfinite(flat).all()):
+    if not all_finite(flat):
         raise InvalidArgument(NOT_FINITE)
     return flat.reshape(shape)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.codec.fp4 import all_finite
 from common.codec.fragment import (
     ALIGN_VALUES,
     DEFAULT_SPARSE_K,
@@ -260,7 +261,7 @@ class FragmentState:
             residual = self._residual[i].view(-1)[start:stop]
             if not first:
                 u.add_(residual)
-            if not bool(torch.isfinite(u).all()):
+            if not all_finite(u):
                 raise ValueError("cannot encode a tensor with NaN or infinite values")
             quantized = encoder.add(i, start, u)
             torch.sub(u, quantized, out=residual)
