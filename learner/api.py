@@ -222,8 +222,9 @@ class DilocoSync:
 
     def global_params(self) -> dict[int, torch.Tensor]:
         """The run's global value of each synced parameter (the replicas this learner holds,
-        on the CPU), by its index in `model.named_parameters()`. Read them, do not change
-        them: copy into a model of the same shape to evaluate the global parameters."""
+        on the CPU; on a sharded island, this rank's slices), by its index in
+        `model.named_parameters()`. Read them, do not change them: copy into a model of the
+        same shape (or the same slices) to evaluate the global parameters."""
         sync = self.session.sync
         replicas = sync.replicas if sync else []
         return {i: g for r in replicas for i, g in zip(r.indices, r.params, strict=True)}

@@ -4,8 +4,11 @@ end holding the server's parameters bit for bit; the core install imports neithe
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -13,6 +16,7 @@ from learner.adapters.huggingface import DilocoCallback as HfCallback
 from learner.adapters.lightning import DilocoCallback as LightningCallback
 
 H = 4
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 def assert_holds_the_servers_parameters(service, model: torch.nn.Module) -> None:
@@ -122,3 +126,57 @@ def test_the_core_install_imports_neither_trainer_library() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+DDP_SCRIPT = """
+import json, sys, torch, torch.distributed as dist
+from learner.adapters.driver import TrainingSync
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+driver = TrainingSync(tokens_per_step=8, server=sys.argv[1], learner_id="ddp", insecure=True,
+                      sync_every_steps=4)
+driver.open(model)
+for step in range(8):
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * rank + step))
+    loss = torch.nn.functional.mse_loss(ddp(x).squeeze(1), x.sum(1))
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    driver.step(loss.item())
+driver.close()
+torch.save([p.detach() for p in model.parameters()], f"{sys.argv[2]}.{rank}")
+json.dump({"synced": driver.sync is not None}, open(f"{sys.argv[2]}.{rank}.json", "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_ranks_under_a_trainer_are_one_learner(start_service, tmp_path) -> None:
+    service = start_service(fragments=2, min_contributors=1, layout="balanced")
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT)
+    out = tmp_path / "params"
+    env = os.environ | {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    subprocess.run([*launch, str(script), f"127.0.0.1:{service.port}", str(out)], env=env,
+                   check=True, timeout=240)  # fmt: skip
+    assert [json.loads(Path(f"{out}.{r}.json").read_text())["synced"] for r in (0, 1)] == [
+        True,
+        False,
+    ]  # rank 0 syncs for the island
+    assert service.aggregator.live_learners() == []  # it left
+    assert [v for _, _, v in service.aggregator.layout()] == [2, 2]
+    ranks = [torch.load(f"{out}.{r}") for r in (0, 1)]
+    for fid, indices, _ in service.aggregator.layout():
+        for i, want in zip(indices, service.aggregator.params(fid), strict=True):
+            assert torch.equal(ranks[0][i], want) and torch.equal(ranks[1][i], want)
