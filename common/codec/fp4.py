@@ -80,7 +80,6 @@ def _block_scale_exponents(blocks: torch.Tensor, top: float) -> torch.Tensor:
     return exps.clamp(MIN_SCALE_EXP, E8M0_NAN - 1 - E8M0_BIAS)
 
 
-
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether every value is finite, in one pass and without a temporary: NaN and the
     infinities propagate to the extremes aminmax returns. A tenth of isfinite().all()'s
@@ -89,6 +88,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return True
     low, high = torch.aminmax(tensor)
     return math.isfinite(float(low)) and math.isfinite(float(high))
+
 
 def quantize_fp4(
     flat: torch.Tensor,
