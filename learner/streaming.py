@@ -15,6 +15,7 @@ background thread; bench/quality.py uses the in-process aggregator, so both run 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -109,15 +110,24 @@ class PullReply:
     version: int
     payload: bytes
     params_crc32: int
+    push_bytes: int = 0  # the sync's push, where the transport encoded it (Transport)
 
 
 class Transport(Protocol):
     """How a fragment sync travels: start it now, collect the new global value later."""
 
     def start_sync(
-        self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
+        self,
+        fragment_id: int,
+        base_version: int,
+        payload: bytes | Callable[[], bytes],
+        tokens: int,
+        inner_steps: int,
     ) -> Any:
-        """Send the pseudo-gradient; returns a handle for finish_sync."""
+        """Send the pseudo-gradient; returns a handle for finish_sync. A transport whose
+        `encodes_in_background` is True is given the encoding to run (`payload()`, on its
+        own thread, so that training goes on meanwhile) and reports its size in
+        PullReply.push_bytes; any other is given the bytes."""
 
     def finish_sync(self, handle: Any) -> PullReply | None:
         """Block until the fragment's new global value is available and return it; None if
@@ -244,6 +254,7 @@ class StreamingSync:
         self.blocking = blocking
         self.away = away
         self.island = island
+        self.encode_in_background = bool(getattr(transport, "encodes_in_background", False))
         self.stats = SyncStats()
         # fragment -> (handle, push bytes, the step after which it is due for merging)
         self._in_flight: dict[int, tuple[Any, int, int]] = {}
@@ -287,14 +298,24 @@ class StreamingSync:
                 deltas = [
                     g.to(x.device) - x.detach() for g, x in zip(replica.params, local, strict=True)
                 ]
-            payload = self._encode_push(p, deltas)
+            # A dense encoding of CPU tensors keeps no state: the transport may run it on its
+            # own thread. A sparse one updates the error feedback the merge reads, and a GPU
+            # encodes fast on its own: here, in order.
+            encode = functools.partial(self._encode_push, p, deltas)
+            background = (
+                self.encode_in_background
+                and not is_sparse(self.push_codec)
+                and all(d.device.type == "cpu" for d in deltas)
+            )
+            payload = encode if background else encode()
             steps = clock - self._last_push_step[p]
             self._last_push_step[p] = clock
             handle = self.transport.start_sync(
                 p, replica.version, payload, steps * self.tokens_per_step, steps
             )
-            self._in_flight[p] = (handle, len(payload), step + self.schedule.overlap_steps)
-            self.stats.push_bytes += len(payload)
+            size = 0 if callable(payload) else len(payload)  # else known when it is back
+            self._in_flight[p] = (handle, size, step + self.schedule.overlap_steps)
+            self.stats.push_bytes += size
 
     def _encode_push(self, fragment: int, deltas: list[torch.Tensor]) -> bytes:
         """The push's payload; a sparse codec sends deltas + residual and keeps the rest."""
@@ -332,6 +353,8 @@ class StreamingSync:
             self.stats.blocked_s += time.perf_counter() - started
             replica = self.replicas[p]
             if reply is not None:
+                push_bytes = push_bytes or reply.push_bytes
+                self.stats.push_bytes += reply.push_bytes
                 replica.apply(reply)
             if self.island is not None:  # waits for the other ranks (and may pull)
                 started = time.perf_counter()

@@ -54,12 +54,20 @@ class GrpcTransport:
         # (index, count): a rank of a sharded island pushes and pulls its slice of every
         # fragment (learner/sliced.py); count 0: whole fragments.
         self.slice_of = (0, 0)
+        # A push's encoding runs on the shard's sync thread, not the training thread
+        # (StreamingSync gives a dense one as a callable: Transport.start_sync).
+        self.encodes_in_background = True
         # False for an HSDP rank outside replica 0: it sends nothing, and takes replica 0's
         # merged slice over the island's network.
         self.carries = True
 
     def start_sync(
-        self, fragment_id: int, base_version: int, payload: bytes, tokens: int, inner_steps: int
+        self,
+        fragment_id: int,
+        base_version: int,
+        payload: bytes | Callable[[], bytes],
+        tokens: int,
+        inner_steps: int,
     ) -> Future[PullReply]:
         if not self.carries:
             done: Future[PullReply] = Future()
@@ -152,6 +160,23 @@ class GrpcTransport:
         return call_with_retry(call, abandon, note)
 
     def _sync(
+        self,
+        abandon: threading.Event,
+        session: str,
+        fragment_id: int,
+        base_version: int,
+        payload: bytes | Callable[[], bytes],
+        tokens: int,
+        inner_steps: int,
+    ) -> PullReply:
+        data = payload() if callable(payload) else payload
+        reply = self._push_then_pull(
+            abandon, session, fragment_id, base_version, data, tokens, inner_steps
+        )
+        reply.push_bytes = len(data) if callable(payload) else 0
+        return reply
+
+    def _push_then_pull(
         self,
         abandon: threading.Event,
         session: str,

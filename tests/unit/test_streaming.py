@@ -1,5 +1,7 @@
 """The Streaming DiLoCo schedule, the merge rule, and StreamingSync over a fake transport."""
 
+import concurrent.futures
+
 import pytest
 import torch
 
@@ -134,6 +136,61 @@ def test_streaming_sync_pushes_deltas_and_merges_after_tau() -> None:
     assert params[0].tolist() == [4.0] * 4 and replicas[0].version == 0
     assert transport.log == [("push", 1, 20), ("merge", 1), ("push", 0, 40)]
     assert sync.stats.syncs == 1 and sync.stats.peak_sync_bytes > 0
+
+
+class BackgroundEchoTransport(EchoTransport):
+    """EchoTransport that runs a push's encoding itself, on a thread of its own."""
+
+    encodes_in_background = True
+
+    def __init__(self, replicas):
+        super().__init__(replicas)
+        self.given, self.pool = [], concurrent.futures.ThreadPoolExecutor(1)
+
+    def start_sync(self, fragment_id, base_version, payload, tokens, inner_steps):
+        self.given.append(callable(payload))
+
+        def run():
+            data = payload() if callable(payload) else payload
+            reply = EchoTransport.start_sync(
+                self, fragment_id, base_version, data, tokens, inner_steps
+            )
+            reply.push_bytes = len(data) if callable(payload) else 0
+            return reply
+
+        return self.pool.submit(run)
+
+    def finish_sync(self, handle):
+        return handle.result()
+
+    def ready(self, handle):
+        return handle.done()
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp4_e2m1", "sparse_2bit"])
+def test_a_dense_push_is_encoded_by_a_transport_that_offers_to(codec: str) -> None:
+    """Same parameters and bytes whichever thread encodes; only a dense encoding (which keeps
+    no state) is handed over."""
+    results = {}
+    for transport_type in (EchoTransport, BackgroundEchoTransport):
+        params = [torch.zeros(64), torch.zeros(96)]
+        replicas = [FragmentReplica(0, [0], [(64,)]), FragmentReplica(1, [1], [(96,)])]
+        for r in replicas:
+            r.params, r.version = [torch.zeros(r.shapes[0])], 0
+        transport = transport_type(replicas)
+        sync = StreamingSync(params, replicas, Schedule(4, 2), transport, push_codec=codec)
+        for step in range(1, 13):
+            with torch.no_grad():
+                for i, p in enumerate(params):
+                    p.add_(torch.linspace(-1, 1, p.numel()) * (step + i))
+            sync.push_phase(step)
+            sync.merge_phase(step)
+        results[transport_type] = ([p.clone() for p in params], sync.stats.push_bytes)
+        if transport_type is BackgroundEchoTransport:
+            assert set(transport.given) == {codec != "sparse_2bit"}
+    (local, sent), (local_bg, sent_bg) = results.values()
+    assert all(torch.equal(a, b) for a, b in zip(local, local_bg, strict=True))
+    assert sent == sent_bg > 0
 
 
 def test_non_blocking_sync_keeps_training_and_merges_on_arrival() -> None:
