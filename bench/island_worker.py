@@ -128,6 +128,7 @@ def main() -> None:
         sync_s += time.perf_counter() - started
         if pushes:
             push_peak = max(push_peak, peak_mb() - base)
+    blocked_s = sync.stats.blocked_s if sync.stats else 0.0  # of the steps timed (not close's)
     progress = sync.close()
     result = {
         "rank": island.rank,
@@ -139,7 +140,7 @@ def main() -> None:
         "push_peak_mb": push_peak,
         "compute_s": compute_s,
         "sync_s": sync_s,
-        "blocked_s": sync.stats.blocked_s if sync.stats else 0.0,
+        "blocked_s": blocked_s,
         "inner_steps": progress.inner_steps,
         "bytes_sent": progress.bytes_sent,
         "bytes_received": progress.bytes_received,
