@@ -33,7 +33,7 @@ import torch
 from bench.procfs import field_kib
 from learner.api import DilocoSync
 from learner.data import ShardedSampler, load_corpus
-from learner.island import Island
+from learner.island import Island, exit_without_teardown
 from learner.model import GPT, GPTConfig
 from learner.sliced import shard_model
 
@@ -154,6 +154,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank-{island.rank}.json").write_text(json.dumps(result))
     island.close()
+    if island.distributed:
+        exit_without_teardown()  # gloo's threads may abort a finished rank's teardown
 
 
 if __name__ == "__main__":

@@ -21,7 +21,9 @@ and the other ranks wait with it at the next collective.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -168,3 +170,18 @@ class Island:
                     dist.barrier()
             finally:
                 dist.destroy_process_group()
+
+
+def exit_without_teardown() -> None:
+    """End an island's rank once its work is done and written (after close()), without the
+    interpreter's teardown. Now and then a rank aborted after a finished run, past the
+    barrier and the process group's destruction ("terminate called without an active
+    exception", SIGABRT), which failed the whole island under torchrun. Gloo's threads can
+    outlive the group's destruction holding tensors, and freeing those while the interpreter
+    finalizes is a known way to abort; with nothing left to do, the rank skips that teardown."""
+    try:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:  # a closed pipe must not send the rank back into that teardown
+        os._exit(0)

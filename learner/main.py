@@ -24,7 +24,7 @@ import grpc
 from common.config import config_parser, parse_command_line
 from common.metrics_http import serve_metrics
 from learner.config import LearnerConfig
-from learner.island import Island
+from learner.island import Island, exit_without_teardown
 from learner.progress import Progress
 from learner.shards import ShardMapError
 from learner.trainer import Learner
@@ -75,7 +75,7 @@ def main() -> None:
     if learner.island.is_leader:
         _report(config, learner, progress)
     if learner.island.distributed:
-        _exit_without_teardown()
+        exit_without_teardown()
 
 
 def _report(config: LearnerConfig, learner: Learner, progress: Progress) -> None:
@@ -94,21 +94,6 @@ def _report(config: LearnerConfig, learner: Learner, progress: Progress) -> None
         if losses
         else f"learner={progress.learner_id} stopped before the first evaluation"
     )
-
-
-def _exit_without_teardown() -> None:
-    """End an island's rank once its work is done and written, without the interpreter's
-    teardown. Now and then a rank aborted after a finished run, past the barrier and the
-    process group's destruction ("terminate called without an active exception", SIGABRT),
-    which failed the whole island under torchrun. Gloo's threads can outlive the group's
-    destruction holding tensors, and freeing those while the interpreter finalizes is a
-    known way to abort; with nothing left to do, the rank skips that teardown."""
-    try:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    finally:  # a closed pipe must not send the rank back into that teardown
-        os._exit(0)
 
 
 if __name__ == "__main__":

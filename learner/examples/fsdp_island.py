@@ -23,7 +23,7 @@ import torch
 from common.codec.fragment import params_crc32
 from learner.api import DilocoSync
 from learner.data import ShardedSampler, load_corpus
-from learner.island import Island
+from learner.island import Island, exit_without_teardown
 from learner.model import GPT, GPTConfig
 from learner.sliced import shard_model
 
@@ -98,6 +98,8 @@ def main() -> None:
         island.broadcast_params(params)
     summary(args, island, sync, model, loss.item())
     island.close()
+    if island.distributed:
+        exit_without_teardown()  # gloo's threads may abort a finished rank's teardown
 
 
 def summary(args, island: Island, sync: DilocoSync | None, model: GPT, loss: float) -> None:

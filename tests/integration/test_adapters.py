@@ -131,6 +131,7 @@ def test_the_core_install_imports_neither_trainer_library() -> None:
 DDP_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
 from learner.adapters.driver import TrainingSync
+from learner.island import exit_without_teardown
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
@@ -150,7 +151,9 @@ for step in range(8):
 driver.close()
 torch.save([p.detach() for p in model.parameters()], f"{sys.argv[2]}.{rank}")
 json.dump({"synced": driver.sync is not None}, open(f"{sys.argv[2]}.{rank}.json", "w"))
+dist.barrier()
 dist.destroy_process_group()
+exit_without_teardown()
 """
 
 

@@ -208,3 +208,24 @@ def test_the_built_in_learner_as_an_fsdp_island(start_service, tmp_path) -> None
     for fid, indices, _ in service.aggregator.layout():
         for i, want in zip(indices, service.aggregator.params(fid), strict=True):
             assert torch.equal(saved[i], want)  # gathered from the slices: the server's
+
+
+def test_an_fsdp_island_in_quorum_mode(start_service, tmp_path) -> None:
+    # Quorum, K = 1: the island's ranks merge only when every rank's sync is back, and agree
+    # on the version; the single learner stops first, so the island ends at the server's.
+    service = start_service(fragments=2, min_contributors=1, mode="quorum")
+    servers, width = f"127.0.0.1:{service.port}", ("--n-embd", "32")
+    island = start_island(tmp_path, "island", servers, 2, *width, "--outer-steps", "4")
+    single = start_island(
+        tmp_path, "single", servers, 0, "--parallel", "none", *width, "--outer-steps", "2"
+    )
+    finish(single, tmp_path, "single")
+    finish(island, tmp_path, "island")
+    params = served([service])
+    ranks = summaries(tmp_path, "island", 2)
+    assert ranks[0]["versions"] == ranks[1]["versions"] == [versions([service])[f] for f in (0, 1)]
+    for rank in ranks:
+        for fid, tensors in params.items():
+            cut = SliceCut([tuple(t.shape) for t in tensors], rank["slice_of"][0], 2)
+            rows = [cut.of(t, i) for i, t in enumerate(tensors)]
+            assert rank["params_crc32"][fid] == params_crc32(rows)
