@@ -169,7 +169,7 @@ def test_a_rank_killed_mid_round_restarts_the_island_as_the_same_learner(
     service = start_service(fragments=1, min_contributors=1, lease_s=10.0)
     servers = f"127.0.0.1:{service.port}"
     island = start_island(
-        tmp_path, "island", servers, 2, "--outer-steps", "4", launch=("--max-restarts", "1")
+        tmp_path, "island", servers, 2, "--outer-steps", "6", launch=("--max-restarts", "1")
     )
     # Fewer outer steps: it leaves first, and the island's last version is the server's.
     single = start_island(
@@ -178,7 +178,9 @@ def test_a_rank_killed_mid_round_restarts_the_island_as_the_same_learner(
     wait_until(lambda: "island" in service.aggregator.live_learners(), 180, "the island joined")
     joined_at = versions([service]).get(0, -1)
     wait_until(lambda: versions([service]).get(0, -1) > joined_at, 180, "a round with the island")
-    os.kill(rank_pids(island)[1], signal.SIGKILL)  # rank 1, while the next round is open
+    pids = rank_pids(island)
+    assert len(pids) == 2, f"the island's ranks are gone before the kill: {pids}"
+    os.kill(pids[1], signal.SIGKILL)  # rank 1, while the next round is open
     at_kill = service.aggregator.version(0)
     finish(island, tmp_path, "island", timeout_s=300)
     finish(single, tmp_path, "single", timeout_s=120)
