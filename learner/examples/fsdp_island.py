@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -25,7 +26,7 @@ from learner.api import DilocoSync
 from learner.data import ShardedSampler, load_corpus
 from learner.island import Island, exit_without_teardown
 from learner.model import GPT, GPTConfig
-from learner.sliced import shard_model
+from learner.sliced import local, shard_model
 
 
 def main() -> None:
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="model initialisation seed")
     parser.add_argument("--summary-file", default="", help="write each rank's result here")
     parser.add_argument("--save-params", default="", help="rank 0 saves the full parameters")
+    parser.add_argument(
+        "--state-dir", default="", help="resume each rank from here if it holds its state; save it"
+    )
     args = parser.parse_args()
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(message)s")
     island = Island.from_env(os.environ)
@@ -79,6 +83,13 @@ def main() -> None:
             * config.block_size
             * (island.world_size if args.parallel == "ddp" else 1),
         )
+        state = Path(args.state_dir) / f"rank-{island.rank}.pt" if args.state_dir else None
+        if state is not None and state.exists():  # this rank's slices and sync state
+            saved = torch.load(state, weights_only=True)
+            with torch.no_grad():
+                for p, values in zip(model.parameters(), saved["params"], strict=True):
+                    local(p).copy_(values)
+            sync.load_state_dict(saved["sync"])
         sync.open()
     params = list(model.parameters())
     if args.parallel == "ddp":
@@ -93,6 +104,11 @@ def main() -> None:
         if args.parallel == "ddp" and island.agree([int(changed)])[0]:
             island.broadcast_params(params)
     if sync is not None:
+        sync.drain()  # every rank: the global parameters, still in the run
+        if args.state_dir:
+            Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+            saved = {"params": [local(p).clone() for p in model.parameters()]}
+            torch.save(saved | {"sync": sync.state_dict()}, state)
         sync.close()
     if args.parallel == "ddp":
         island.broadcast_params(params)
