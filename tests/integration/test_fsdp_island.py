@@ -219,24 +219,22 @@ def test_the_built_in_learner_as_an_fsdp_island(start_service, tmp_path) -> None
 
 
 def test_an_fsdp_island_in_quorum_mode(start_service, tmp_path) -> None:
-    # Quorum, K = 1: the island's ranks merge only when every rank's sync is back, and agree
-    # on the version; the single learner stops first, so the island ends at the server's.
+    # Quorum, K = 1, beside a one-process learner: nobody waits, and the island's ranks merge
+    # only when every rank's sync is back, at one version. Every pull checks the slice's CRC
+    # against the server's (a mismatch fails the island), so finishing is the bit-exactness
+    # check here; whoever pushes last decides the server's final versions.
     service = start_service(fragments=2, min_contributors=1, mode="quorum")
     servers, width = f"127.0.0.1:{service.port}", ("--n-embd", "32")
-    island = start_island(tmp_path, "island", servers, 2, *width, "--outer-steps", "4")
+    island = start_island(tmp_path, "island", servers, 2, *width, "--outer-steps", "6")
     single = start_island(
         tmp_path, "single", servers, 0, "--parallel", "none", *width, "--outer-steps", "2"
     )
     finish(single, tmp_path, "single")
     finish(island, tmp_path, "island")
-    params = served([service])
     ranks = summaries(tmp_path, "island", 2)
-    assert ranks[0]["versions"] == ranks[1]["versions"] == [versions([service])[f] for f in (0, 1)]
-    for rank in ranks:
-        for fid, tensors in params.items():
-            cut = SliceCut([tuple(t.shape) for t in tensors], rank["slice_of"][0], 2)
-            rows = [cut.of(t, i) for i, t in enumerate(tensors)]
-            assert rank["params_crc32"][fid] == params_crc32(rows)
+    assert ranks[0]["versions"] == ranks[1]["versions"]  # every slice at one version
+    final = [versions([service])[f] for f in (0, 1)]
+    assert all(3 <= v <= f for v, f in zip(ranks[0]["versions"], final, strict=True))
 
 
 def test_an_fsdp_island_resumes_from_each_ranks_state(start_service, tmp_path) -> None:
