@@ -19,7 +19,7 @@ import functools
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -39,6 +39,9 @@ from common.codec.sparse import (
 )
 from common.codec.tensor import is_sparse
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+
+if TYPE_CHECKING:  # sliced.py builds on this module's replicas
+    from learner.sliced import ShardedIsland
 
 
 @dataclass(frozen=True)
@@ -113,21 +116,19 @@ class PullReply:
     push_bytes: int = 0  # the sync's push, where the transport encoded it (Transport)
 
 
+# A push's bytes, or (to a transport that encodes in the background) the encoding to run.
+Payload = bytes | Callable[[], bytes]
+
+
 class Transport(Protocol):
     """How a fragment sync travels: start it now, collect the new global value later."""
 
     def start_sync(
-        self,
-        fragment_id: int,
-        base_version: int,
-        payload: bytes | Callable[[], bytes],
-        tokens: int,
-        inner_steps: int,
+        self, fragment_id: int, base_version: int, payload: Payload, tokens: int, steps: int
     ) -> Any:
-        """Send the pseudo-gradient; returns a handle for finish_sync. A transport whose
-        `encodes_in_background` is True is given the encoding to run (`payload()`, on its
-        own thread, so that training goes on meanwhile) and reports its size in
-        PullReply.push_bytes; any other is given the bytes."""
+        """Send the pseudo-gradient; returns a handle for finish_sync. With
+        `encodes_in_background` True it may be given the encoding to run on its own thread
+        (`payload()`), and reports its size in PullReply.push_bytes."""
 
     def finish_sync(self, handle: Any) -> PullReply | None:
         """Block until the fragment's new global value is available and return it; None if
@@ -135,18 +136,6 @@ class Transport(Protocol):
 
     def ready(self, handle: Any) -> bool:
         """True if finish_sync would return without waiting."""
-
-
-class IslandAgreement(Protocol):
-    """What the ranks of a sharded island agree on at each sync (learner/sliced.py)."""
-
-    def all_true(self, flag: bool) -> bool: ...
-
-    def check_joined(self, lost: bool) -> None: ...
-
-    def settle(
-        self, replica: FragmentReplica, lost: bool, pull: Callable[[int], PullReply]
-    ) -> None: ...
 
 
 class FragmentReplica:
@@ -161,10 +150,7 @@ class FragmentReplica:
     ):
         """`cut`: the slice of the fragment this replica holds (a rank of a sharded island,
         common/codec/slices.py); `shapes` are then the slice's."""
-        self.fragment_id = fragment_id
-        self.indices = indices
-        self.shapes = shapes
-        self.cut = cut
+        self.fragment_id, self.indices, self.shapes, self.cut = fragment_id, indices, shapes, cut
         self.version = -1
         self.params: list[torch.Tensor] = []
 
@@ -222,7 +208,7 @@ class StreamingSync:
         push_feedback_decay: float = DEFAULT_FEEDBACK_DECAY,
         push_feedback_in_model: bool = DEFAULT_FEEDBACK_IN_MODEL,
         away: Callable[[], Collection[int]] = frozenset,
-        island: IslandAgreement | None = None,
+        island: ShardedIsland | None = None,
     ) -> None:
         """`blocking` (sync mode): wait at a merge point for a reply that is not back.
         Otherwise (quorum, async) keep training and merge on arrival. A sparse `push_codec`
@@ -233,9 +219,8 @@ class StreamingSync:
         again); otherwise the merge takes the global value and the push adds β·e to its
         delta. Both send the same bytes. `away()`: the fragments
         whose shard does not know the session now (ShardedClient.away); their pushes are
-        skipped, so that nothing waits for them, until the shard is joined again. `island`:
-        this learner is one rank of a sharded island, syncing its slice; the ranks agree
-        when to merge and on the version merged, and a lost session ends them all."""
+        skipped, so that nothing waits for them, until the shard is joined again. `island`: a
+        sharded island's rank, syncing its slice (learner/sliced.py)."""
         if not 0 <= merge_alpha <= 1:
             raise ValueError(f"merge_alpha must be in [0, 1], got {merge_alpha}")
         self.params = params  # a Sequence looked up at each use (learner/sliced.py LocalSlices)
@@ -381,11 +366,9 @@ class StreamingSync:
         return ready if self.island is None else self.island.all_true(ready)
 
     def _pull(self, replica: FragmentReplica, version: int) -> PullReply:
-        """The replica's fragment pulled up to `version` (an island's rank catching up)."""
-        pull = getattr(self.transport, "pull", None)
-        if pull is None:
-            raise RuntimeError("a sharded island needs a transport that can pull")
-        return pull(replica.fragment_id, replica.version, version)
+        """The replica's fragment pulled up to `version` (an island's rank catching up; the
+        gRPC transport's pull)."""
+        return self.transport.pull(replica.fragment_id, replica.version, version)  # type: ignore[attr-defined]
 
     def in_flight(self) -> list[int]:
         return sorted(self._in_flight)
