@@ -39,7 +39,7 @@ from learner.progress import Progress, SavedReplica
 from learner.rejoin import ShardRejoins
 from learner.replicas import ReplicaLoader
 from learner.sliced import ShardedIsland
-from learner.streaming import FragmentReplica, Schedule, StreamingSync, merge
+from learner.streaming import Schedule, StreamingSync, merge
 from learner.transport import GrpcTransport
 
 log = logging.getLogger("diloco.learner")
@@ -193,7 +193,10 @@ class SyncSession:
         cfg = self.config.sync
         # The tokens of one step, declared: the server refuses pushes that claim more.
         # The client then holds the new membership, replaced whole (ShardSessions).
-        reply = self._join_island() if self.island else self._join_shards()
+        if self.island is None:
+            reply = self._join_shards()
+        else:  # the leader joins; every rank takes its session
+            reply = self.island.share_join(self.client, self._join_shards, self.learner_id)
         if self.island is None or self.island.is_leader:
             log.info(
                 "learner=%s joined epoch=%d mode=%s fragments=%d layout=%s%s",
@@ -207,8 +210,8 @@ class SyncSession:
         # Fragments whose shard did not answer come in when it does (ShardRejoins).
         away = self.client.away()
         replicas, kept = self.replicas.load(reply.session_id, reply.fragments, resume, away)
-        if self.island is not None:
-            kept = self._settle_island(replicas, kept)
+        if self.island is not None:  # one version per fragment; kept only where all kept
+            kept = self.island.settle_joined(replicas, kept, self.transport.pull)
         schedule = Schedule(cfg.sync_every_steps, len(replicas), cfg.overlap_steps)
         blocking = self.pacer.blocking = reply.mode == "sync"  # quorum, async: never wait
         if not blocking and reply.schedule_step > 0:
@@ -246,34 +249,8 @@ class SyncSession:
                 self.client.traffic.received,
             )
 
-    def _settle_island(self, replicas: list[FragmentReplica], kept: set[int]) -> set[int]:
-        """Every rank's replicas at one version per fragment; returns the fragments whose
-        local parameters the island keeps: those every rank kept and none had to catch up
-        on (so that no fragment is half kept, half the server's)."""
-        assert self.island is not None
-        agreed = set()
-        for replica in replicas:
-            before = replica.version
-            pull = lambda v, r=replica: self.transport.pull(r.fragment_id, r.version, v)  # noqa: E731
-            self.island.settle(replica, False, pull)
-            mine = replica.fragment_id in kept and replica.version == before
-            if self.island.all_true(mine):
-                agreed.add(replica.fragment_id)
-        return agreed
-
     def _join_shards(self) -> pb.JoinResponse:
         return self.client.join(self.learner_id, self.fingerprint, self.tokens_per_step)
-
-    def _join_island(self) -> pb.JoinResponse:
-        """The island's leader joins; every rank takes its session (one learner)."""
-        assert self.island is not None
-        replies = None
-        if self.island.is_leader:
-            self._join_shards()
-            replies = [r.SerializeToString() if r else None for r in self.client.last_join]
-        replies = self.island.broadcast_object(replies)
-        joined = [pb.JoinResponse.FromString(r) if r else None for r in replies]
-        return self.client.adopt(joined, self.learner_id)
 
     def _leave(self) -> None:
         session_id = self.membership.session_id

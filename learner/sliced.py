@@ -38,15 +38,18 @@ island's last push never count (the server holds incomplete sets aside).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.generated.diloco.v1 import aggregator_pb2 as pb
+from learner.island import Island
 from learner.streaming import FragmentReplica, PullReply
 
-LEADER = 0
+if TYPE_CHECKING:
+    from learner.shards import ShardedClient
 
 
 class IslandRestart(RuntimeError):
@@ -138,8 +141,10 @@ class ShardedIsland:
             dim = replicate_dims[0]
             self.replica, self.replicas = mesh.get_local_rank(dim), mesh.size(dim)
             self._replicate_group = mesh.get_group(dim)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = first.to_local().device
+        # The island's ranks as a whole: the collectives a DDP island uses too.
+        self.ranks = Island(dist.get_rank(), dist.get_world_size())
+        self.rank, self.world_size = self.ranks.rank, self.ranks.world_size
+        self.device = self.ranks.device = first.to_local().device
         for p in params:
             if p.dim() == 0:
                 raise ValueError("a 0-dimensional parameter cannot be sliced: make it 1-D")
@@ -151,7 +156,7 @@ class ShardedIsland:
 
     @property
     def is_leader(self) -> bool:
-        return self.rank == LEADER
+        return self.ranks.is_leader
 
     @property
     def carries(self) -> bool:
@@ -162,23 +167,46 @@ class ShardedIsland:
     def slice_of(self) -> tuple[int, int]:
         return self.index, self.count
 
-    def broadcast_object(self, obj: Any) -> Any:
-        """Rank 0's picklable object, on every rank."""
-        box = [obj]
-        dist.broadcast_object_list(box, LEADER, device=self.device)
-        return box[0]
-
     def leader_value(self, value: int) -> int:
         """Rank 0's integer, on every rank (a decision the leader takes from its heartbeats)."""
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.broadcast(tensor, LEADER)
-        return int(tensor.item())
+        return self.ranks.agree([value])[0]
 
     def all_true(self, flag: bool) -> bool:
         """Whether `flag` holds on every rank."""
         tensor = torch.tensor([0 if flag else 1], dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, dist.ReduceOp.MAX)
         return int(tensor.item()) == 0
+
+    def share_join(
+        self, client: ShardedClient, join: Callable[[], object], learner_id: str
+    ) -> pb.JoinResponse:
+        """The leader joins (`join()`, into `client`) and every rank takes the session it
+        got, one learner to the server; returns the join's reply, on every rank."""
+        replies = None
+        if self.is_leader:
+            join()
+            replies = [r.SerializeToString() if r else None for r in client.last_join]
+        replies = self.ranks.broadcast_object(replies)
+        joined = [pb.JoinResponse.FromString(r) if r else None for r in replies]
+        return client.adopt(joined, learner_id)
+
+    def settle_joined(
+        self,
+        replicas: Sequence[FragmentReplica],
+        kept: set[int],
+        pull: Callable[[int, int, int], PullReply],
+    ) -> set[int]:
+        """After a join: every rank's replicas at one version per fragment (settle; `pull`
+        is the transport's: fragment, have, wait-for). Returns the fragments whose local
+        slices the island keeps: those every rank kept and none had to catch up on, so
+        that no fragment is half kept, half the server's."""
+        agreed = set()
+        for replica in replicas:
+            before = replica.version
+            self.settle(replica, False, lambda v, r=replica: pull(r.fragment_id, r.version, v))
+            if self.all_true(replica.fragment_id in kept and replica.version == before):
+                agreed.add(replica.fragment_id)
+        return agreed
 
     def check_joined(self, lost: bool) -> None:
         """Raise IslandRestart on every rank if a server lost the session on any rank."""
