@@ -37,13 +37,14 @@ class TrainingSync:
 
     def open(self, model: nn.Module) -> None:
         self._params = list(model.parameters())
-        if dist.is_available() and dist.is_initialized() and not is_sharded(self._params):
+        sharded = is_sharded(self._params)
+        if dist.is_available() and dist.is_initialized() and not sharded:
             self._island = Island(dist.get_rank(), dist.get_world_size())
             self._island.device = self._params[0].device
         island = self._island
-        if island.is_leader or is_sharded(self._params):
+        if island.is_leader or sharded:
             # DDP's leader claims every rank's tokens; a sharded rank claims its own.
-            tokens = self.tokens_per_step * (1 if is_sharded(self._params) else island.world_size)
+            tokens = self.tokens_per_step * (1 if sharded else island.world_size)
             self.sync = DilocoSync(model, tokens_per_step=tokens, **self.settings)
             self.sync.open()
         island.broadcast_params(self._params)

@@ -108,6 +108,7 @@ class FragmentState:
         # Snapshots of slices (sharded islands' ranks), by (index, count), built and freed
         # as the whole one.
         self._slice_snapshots: dict[tuple[int, int], PullResult] = {}
+        self._slice_crcs: dict[tuple[int, int], tuple[int, int]] = {}  # key: (version, crc)
         self._params_lock = threading.Lock()  # TensorBytes reads vs. freezing before a step
         # Held (inside the Aggregator's lock) while the state changes; a snapshot copies the
         # state holding only this one, so it waits for no other fragment's round.
@@ -216,7 +217,11 @@ class FragmentState:
             except InvalidArgument as err:
                 raise FailedPrecondition(str(err)) from err
         slices = [cut.of(p, i) for i, p in enumerate(self.params)]
-        crc = params_crc32(slices)
+        key = (cut.index, cut.count)
+        known = self._slice_crcs.get(key)
+        if known is None or known[0] != self.version:  # once a version, as the whole's
+            known = self._slice_crcs[key] = (self.version, params_crc32(slices))
+        crc = known[1]
         if have_version >= self.version:
             return PullResult(pb.PULL_KIND_UP_TO_DATE, self.version, (), crc)
         if self._updates and 0 <= self._updates[0][0] <= have_version:
@@ -226,7 +231,6 @@ class FragmentState:
             )
             if chain.payload_bytes < 4 * cut.numel:
                 return chain
-        key = (cut.index, cut.count)
         snapshot = self._slice_snapshots.get(key)
         if snapshot is None or snapshot.version != self.version:
             parts = snapshot_parts(slices, self._params_lock)
