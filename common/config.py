@@ -18,13 +18,15 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import functools
 import inspect
 import os
+import re
 import textwrap
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
@@ -98,9 +100,8 @@ def build_config(cls: type[T], values: Mapping[str, Any]) -> T:
     known = settings(cls)
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise ValueError(
-            f"unknown setting {unknown[0]!r} for {cls.__name__}; known: {', '.join(known)}"
-        )
+        guess = did_you_mean(unknown[0], known) or f"; known: {', '.join(known)}"
+        raise ValueError(f"unknown setting {unknown[0]!r} for {cls.__name__}{guess}")
     preset = getattr(cls, "recipe_values", None)
     if preset is not None:
         values = {**preset(values), **values}
@@ -151,21 +152,12 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
         target = groups.get(s.section, parser)
         flag = "--" + s.name.replace("_", "-")
         help_text = f"{s.doc} [{env_name(s.name)}] (default: {s.default})"
-        if s.kind is bool:
-            target.add_argument(
-                flag,
-                action=argparse.BooleanOptionalAction,
-                default=argparse.SUPPRESS,
-                help=help_text,
-            )
-        else:
-            target.add_argument(
-                flag,
-                type=s.kind,
-                default=argparse.SUPPRESS,
-                help=help_text,
-                metavar=s.name.upper(),
-            )
+        kind = (
+            {"action": argparse.BooleanOptionalAction}
+            if s.kind is bool
+            else {"type": s.kind, "metavar": s.name.upper()}
+        )
+        target.add_argument(flag, default=argparse.SUPPRESS, help=help_text, **kind)
 
 
 def reference(daemons: Mapping[str, type]) -> str:
@@ -206,6 +198,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
     daemons have dozens of flags, and their usage would bury the error."""
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: --"):  # argparse's wording
+            flag = message.split()[2].split("=")[0]
+            message += did_you_mean(flag, self._option_string_actions)
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
@@ -239,16 +234,29 @@ def config_from_args(
 ) -> T:
     """Build and validate the config from file, environment and flags; a bad value exits
     with one line on stderr and exit code 2."""
+    environ = os.environ if environ is None else environ
     try:
-        values = resolve_values(
-            cls, getattr(args, "config", None), os.environ if environ is None else environ
-        )
+        values = resolve_values(cls, getattr(args, "config", None), environ)
         known = settings(cls)
-        values.update({k: v for k, v in vars(args).items() if k in known})
-        return build_config(cls, values)
+        flags = {k: v for k, v in vars(args).items() if k in known}
+        values.update(flags)
+        try:
+            return build_config(cls, values)
+        except ValueError as err:
+            raise ValueError(_from_environment(str(err), set(known) - set(flags), environ)) from err
     except ValueError as err:
         # One line, without the usage text: the value is wrong, not the command's syntax.
         parser.exit(2, f"{parser.prog}: error: {err}\n")
+
+
+def _from_environment(message: str, names: set[str], environ: Mapping[str, str]) -> str:
+    """`message` (a section's check refusing a value), led by the DILOCO_* variable that set
+    the setting it names: a user who exported it long ago would look for it elsewhere."""
+    for name in sorted(names, key=len, reverse=True):  # outer_lr_x before outer_lr
+        var = env_name(name)
+        if var in environ and re.search(rf"\b{name}\b", message):
+            return f"{var}={environ[var]!r}: {message}"
+    return message
 
 
 def resolve_values(cls: type, config_file: str | None, environ: Mapping[str, str]) -> dict:
@@ -260,7 +268,7 @@ def resolve_values(cls: type, config_file: str | None, environ: Mapping[str, str
     for name, setting in known.items():
         var = env_name(name)
         if var in environ:
-            values[name] = _parse_env(var, environ[var], setting.kind)
+            values[name] = _parse_env(var, environ[var], setting)
     return values
 
 
@@ -278,10 +286,13 @@ def load_toml(
         raise ValueError(f"config file {path} is not valid TOML: {err}") from err
     flat: dict[str, Any] = {}
     for key, value in data.items():
+        if isinstance(value, dict) and key not in section_names and key not in known:
+            listed = "; the sections are " + ", ".join(f"[{n}]" for n in sorted(section_names))
+            guess = did_you_mean(key, section_names, "[{}]") or listed
+            raise ValueError(f"unknown section [{key}] in {path}{guess}")
         if key in section_names and isinstance(value, dict):
             for inner, inner_value in value.items():
-                where = f"[{key}] {inner}"
-                setting = _known_key(path, inner, known, where)
+                setting = _known_key(path, inner, known, f" in [{key}] of {path}")
                 if setting.section != key:
                     raise ValueError(
                         f"config file {path}: {inner} belongs in [{setting.section}], not [{key}]"
@@ -290,15 +301,20 @@ def load_toml(
                     )
                 flat[inner] = _checked(path, inner, inner_value, setting.kind)
         else:
-            flat[key] = _checked(path, key, value, _known_key(path, key, known, key).kind)
+            flat[key] = _checked(path, key, value, _known_key(path, key, known, f" in {path}").kind)
     return flat
 
 
 def _known_key(path: str, key: str, known: Mapping[str, Setting], where: str) -> Setting:
     if key not in known:
-        hint = f" (did you mean {key.replace('-', '_')}?)" if "-" in key else ""
-        raise ValueError(f"config file {path}: unknown key {where!r}{hint}")
+        raise ValueError(f"unknown setting {key!r}{where}{did_you_mean(key, known)}")
     return known[key]
+
+
+def did_you_mean(name: str, candidates: Iterable[str], form: str = "{!r}") -> str:
+    """'; did you mean X?' for the candidate nearest to `name`, or '' when none is near."""
+    close = difflib.get_close_matches(name, list(candidates), n=1)
+    return f"; did you mean {form.format(close[0])}?" if close else ""
 
 
 def _checked(path: str, key: str, value: Any, kind: type) -> Any:
@@ -310,7 +326,8 @@ def _checked(path: str, key: str, value: Any, kind: type) -> Any:
     return value
 
 
-def _parse_env(var: str, text: str, kind: type) -> Any:
+def _parse_env(var: str, text: str, setting: Setting) -> Any:
+    kind = setting.kind
     if kind is bool:
         lowered = text.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -322,7 +339,7 @@ def _parse_env(var: str, text: str, kind: type) -> Any:
             return kind(text)
         except ValueError:
             pass
-    raise ValueError(f"environment variable {var} must be {TYPE_NAMES[kind]}, got {text!r}")
+    raise ValueError(f"{var}={text!r}: {setting.name} must be {TYPE_NAMES[kind]}")
 
 
 def _plain_settings(section: type) -> list[Setting]:

@@ -80,13 +80,21 @@ def test_the_aggregator_config_is_the_server_config_without_the_service() -> Non
 @pytest.mark.parametrize(
     "toml, environ, message",
     [
-        ("lease_ss = 5\n", {}, "unknown key 'lease_ss'"),
-        ("lease-s = 5\n", {}, "did you mean lease_s?"),
+        ("lease_ss = 5\n", {}, "unknown setting 'lease_ss' in "),
+        ("outer_lrr = 0.5\n", {}, "server.toml; did you mean 'outer_lr'?"),
+        ("[outer]\nouter_lrr = 0.5\n", {}, "in [outer] of "),
+        ("lease-s = 5\n", {}, "did you mean 'lease_s'?"),
+        ("[streeming]\nfragments = 2\n", {}, "server.toml; did you mean [streaming]?"),
+        ("[zzz]\nfragments = 2\n", {}, "unknown section [zzz] in "),
         ('lease_s = "ten"\n', {}, "lease_s must be a number, got 'ten'"),
         ("fragments = 2.5\n", {}, "fragments must be an integer, got 2.5"),
         ("fragments = true\n", {}, "fragments must be an integer, got True"),
         ("lease_s = \n", {}, "is not valid TOML"),
-        ("", {"DILOCO_FRAGMENTS": "many"}, "DILOCO_FRAGMENTS must be an integer, got 'many'"),
+        ("", {"DILOCO_FRAGMENTS": "many"}, "DILOCO_FRAGMENTS='many': fragments must be an integer"),
+        ("", {"DILOCO_OUTER_LR": "abc"}, "DILOCO_OUTER_LR='abc': outer_lr must be a number"),
+        ("", {"DILOCO_INSECURE": "maybe"}, "DILOCO_INSECURE='maybe': insecure must be true or"),
+        ("", {"DILOCO_LEASE_S": "0"}, "DILOCO_LEASE_S='0': lease_s must be > 0, got 0.0"),
+        ("lease_s = 0\n", {"DILOCO_FRAGMENTS": "2"}, ": error: lease_s must be > 0, got 0.0"),
         ("lease_s = -1\n", {}, "lease_s must be > 0, got -1.0"),
         ("stream_idle_timeout_s = 0\n", {}, "stream_min_bytes_per_s needs stream_idle_time"),
         ("max_concurrent_streams = 0\n", {}, "max_concurrent_streams must be >= 1"),
@@ -109,7 +117,9 @@ def test_bad_settings_exit_2_with_one_line(
     ("parse", "argv", "message"),
     [
         (server_config, ["--lease-s", "abc"], "argument --lease-s: invalid float value: 'abc'"),
-        (server_config, ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (server_config, ["--no-such-flag"], "unrecognized arguments: --no-such-flag ("),
+        (server_config, ["--outer-lrr", "3"], "--outer-lrr 3; did you mean '--outer-lr'?"),
+        (learner_config, ["--lerner-id=a"], "did you mean '--learner-id'?"),
         (learner_config, ["--sync-every-steps"], "expected one argument"),
     ],
 )
@@ -119,6 +129,18 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys, parse, argv: list[str], messa
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "(--help lists the options)" in err
+
+
+def test_a_refused_value_names_the_variable_only_when_it_came_from_the_environment(
+    capsys,
+) -> None:
+    with pytest.raises(SystemExit):
+        build(["--lease-s", "0"], {"DILOCO_LEASE_S": "5"})  # the flag's value is refused
+    err = capsys.readouterr().err
+    assert "lease_s must be > 0" in err and "DILOCO_LEASE_S" not in err
+    with pytest.raises(SystemExit):
+        build([], {"DILOCO_OUTER_LR": "0.5", "DILOCO_LEASE_S": "0"})
+    assert "DILOCO_LEASE_S='0': lease_s must be > 0" in capsys.readouterr().err
 
 
 def test_missing_config_file(tmp_path: Path, capsys) -> None:
@@ -180,7 +202,9 @@ def test_sections_take_flat_flags_env_and_toml_keys_or_tables(tmp_path: Path) ->
     [
         ("[link]\nevery_steps = 3\n", "every_steps belongs in [schedule], not [link]"),
         ("[link]\nname = 'a'\n", "name belongs at the top, not in [link]"),
-        ("[schedule]\nevery = 3\n", "unknown key '[schedule] every'"),
+        ("[schedule]\nevery = 3\n", "unknown setting 'every' in [schedule] of "),
+        ("[shedule]\nevery_steps = 3\n", "unknown section [shedule] in "),
+        ("[shedule]\nevery_steps = 3\n", "bad.toml; did you mean [schedule]?"),
         ("[schedule]\nevery_steps = 0\n", "every_steps must be >= 1, got 0"),
     ],
 )
@@ -236,7 +260,7 @@ def test_learner_settings_keep_their_flat_names_in_sections(tmp_path: Path) -> N
         ({"slowdown": 0.5}, "slowdown must be >= 1, got 0.5"),
         ({"step_period_s": float("nan")}, "step_period_s must be >= 0 and finite, got nan"),
         ({"slowdown": 2.0, "step_period_s": 0.1}, "set slowdown or step_period_s, not both"),
-        ({"batch_sizes": 4}, "unknown setting 'batch_sizes' for LearnerConfig"),
+        ({"batch_sizes": 4}, "unknown setting 'batch_sizes' for LearnerConfig; did you mean"),
     ],
 )
 def test_each_learner_section_names_the_setting_to_fix(settings: dict, message: str) -> None:
