@@ -12,7 +12,8 @@ from common.config import flat_values
 from learner.main import parse_config as learner_config
 from server.main import parse_config as server_config
 
-CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "config"
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "deploy" / "config"
 
 
 @pytest.mark.parametrize("name", ["server", "learner"])
@@ -33,6 +34,15 @@ def test_the_server_file_parses_and_leaves_the_pull_codec_to_the_recipe() -> Non
     assert server_config(["--config", path, "--recipe", "paper"]).streaming.pull_codec == (
         "fp4_e3m0"
     )
+
+
+def test_the_server_file_keeps_its_state_outside_the_checkout() -> None:
+    """The README runs it from the repository root: a relative state_dir would land there."""
+    state_dir = Path(
+        server_config(["--config", str(CONFIGS / "server.toml")]).persistence.state_dir
+    )
+    assert state_dir.is_absolute() and not state_dir.is_relative_to(REPO)
+    assert f"state in `{state_dir}`" in (REPO / "README.md").read_text()
 
 
 def test_the_learner_file_parses_to_the_defaults_it_spells_out() -> None:
