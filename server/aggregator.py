@@ -53,6 +53,9 @@ class AggregatorEvents:
     def snapshot_written(self, seconds: float) -> None:
         """A durable snapshot of the whole state was written."""
 
+    def leases_expired(self, count: int) -> None:
+        """`count` sessions were closed because their lease ran out (0 on most ticks)."""
+
 
 @dataclass(frozen=True)
 class JoinResult:
@@ -202,8 +205,7 @@ class Aggregator(Readings):
             self._cond.notify_all()
 
     def resume(self, restored: Restored) -> bool:
-        """Rebuild the fragments from a state dir (also diloco-export's); True if their state
-        is now kept in another dtype than the state dir's."""
+        """Rebuild the fragments from a state dir (diloco-export's too); True: a dtype changed."""
         with self._cond:
             converted = self._params.restore(restored, self._policy.before_replay)
             self._admission.restore(restored.admission, self._learners)  # once replayed
@@ -226,8 +228,7 @@ class Aggregator(Readings):
         check_tokens_per_step(tokens_per_step)
         with self._cond:
             self._params.adopt(specs)
-            known = self._learners.get(learner_id)
-            if known is not None and known.session_id:
+            if (known := self._learners.get(learner_id)) is not None and known.session_id:
                 self._drop(known, "rejoined")
             schedule_step = self._learners.schedule_estimate()
             learner = self._learners.open(learner_id, tokens_per_step)
@@ -267,14 +268,14 @@ class Aggregator(Readings):
     def leave(self, session_id: str) -> None:
         """End a session; open rounds no longer wait for it."""
         with self._cond:
-            learner = self._learners.of_session(session_id)
-            if learner is not None:
+            if (learner := self._learners.of_session(session_id)) is not None:
                 self._drop(learner, "left")
 
     def expire_leases(self) -> list[str]:
         """Drop every session whose lease has run out; returns their learner ids."""
         with self._cond:
             expired = [x for x in self._learners.expired() if self._drop(x, "lease expired", True)]
+            self.events.leases_expired(len(expired))
             return [learner.learner_id for learner in expired]
 
     def check_push(
@@ -352,8 +353,7 @@ class Aggregator(Readings):
         (of slice_of = (index, count) only, count > 1: common/codec/slices.py)."""
         with self._cond:
             self._learners.renew(session_id)
-            fragment = self._params.fragment(fragment_id)
-            if fragment.params is None:
+            if (fragment := self._params.fragment(fragment_id)).params is None:
                 raise FailedPrecondition(f"fragment {fragment_id} has no parameters yet")
             return fragment.pull(have_version, slice_of)
 

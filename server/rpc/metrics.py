@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -83,6 +83,19 @@ class ServerMetrics(AggregatorEvents):
             buckets=SECONDS,
             registry=r,
         )
+        # A timestamp rather than an age: Prometheus computes the age (time() - it), and the
+        # value stays right while the server is not scraped.
+        self.last_snapshot = Gauge(
+            "diloco_server_last_snapshot_timestamp_seconds",
+            "Unix time the last snapshot write ended (0: none since the server started). A "
+            "write that failed ends too, and sets diloco_server_state_dir_failed to 1.",
+            registry=r,
+        )
+        self.lease_expiries = Counter(
+            "diloco_server_lease_expiries",
+            "Sessions closed because their learner called and heartbeated nothing for lease_s.",
+            registry=r,
+        )
 
     def watch(
         self,
@@ -115,6 +128,10 @@ class ServerMetrics(AggregatorEvents):
 
     def snapshot_written(self, seconds: float) -> None:
         self.snapshot.observe(seconds)
+        self.last_snapshot.set_to_current_time()
+
+    def leases_expired(self, count: int) -> None:
+        self.lease_expiries.inc(count)
 
 
 class _StateCollector(Collector):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -103,9 +104,35 @@ def test_snapshot_time_is_recorded(tmp_path) -> None:
     session = agg.join("a", [ParamSpec("w", (4,), "float32")]).session_id
     agg.initialize(session, 0, [torch.zeros(4)])
     count = "diloco_server_snapshot_write_seconds_count"
-    before = metrics.registry.get_sample_value(count)
+    stamp = "diloco_server_last_snapshot_timestamp_seconds"
+    before, started = metrics.registry.get_sample_value(count), time.time()
+    assert metrics.registry.get_sample_value(stamp) > 0  # initialize wrote the first one
     agg.checkpoint()
     assert metrics.registry.get_sample_value(count) == before + 1
+    assert started <= metrics.registry.get_sample_value(stamp) <= time.time()
+
+
+def test_no_snapshot_leaves_the_timestamp_at_zero() -> None:
+    metrics = ServerMetrics()  # what the snapshot alert takes for "no state dir"
+    assert metrics.registry.get_sample_value("diloco_server_last_snapshot_timestamp_seconds") == 0
+
+
+def test_lease_expiries_count_sessions_closed_by_their_lease_only() -> None:
+    clock, metrics = FakeClock(), ServerMetrics()
+    agg = Aggregator(aggregator_config(lease_s=5.0), clock=clock, events=metrics)
+    a, b, c = (agg.join(name, FINGERPRINT).session_id for name in ("a", "b", "c"))
+    expiries = "diloco_server_lease_expiries_total"
+    agg.leave(c)  # left: no expiry
+    clock.now = 3.0
+    agg.heartbeat(a)  # a's lease runs to 8 s, b's to 5 s
+    clock.now = 6.0
+    assert agg.expire_leases() == ["b"]
+    assert metrics.registry.get_sample_value(expiries) == 1
+    assert agg.expire_leases() == []
+    assert metrics.registry.get_sample_value(expiries) == 1
+    clock.now = 9.0
+    agg.tick()  # the reaper's path
+    assert metrics.registry.get_sample_value(expiries) == 2
 
 
 def learner_exposition() -> str:
@@ -141,7 +168,8 @@ def test_learner_metrics_read_its_state() -> None:
     assert "diloco_learner_inner_lr 0.00025" in text
 
 
-def test_dashboard_uses_only_metrics_the_code_exports() -> None:
+def server_exposition() -> str:
+    """The server's /metrics text, a learner joined and a push counted."""
     server = ServerMetrics()
     agg = Aggregator(aggregator_config())
     agg.join("a", FINGERPRINT)
@@ -149,7 +177,11 @@ def test_dashboard_uses_only_metrics_the_code_exports() -> None:
     servicer.traffic.count(0, sent=1, received=1)
     servicer.count_push("accepted")
     server.watch(agg, servicer)
-    exported = generate_latest(server.registry).decode() + learner_exposition()
+    return generate_latest(server.registry).decode()
+
+
+def test_dashboard_uses_only_metrics_the_code_exports() -> None:
+    exported = server_exposition() + learner_exposition()
     dashboard = json.loads((REPO / "deploy" / "grafana" / "diloco.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     names = {name for expr in exprs for name in re.findall(r"(?:diloco|process)_\w+", expr)}
