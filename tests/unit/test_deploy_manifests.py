@@ -208,19 +208,42 @@ def test_prometheus_in_the_cluster_may_list_pods_of_its_namespace_and_reads_the_
     assert rule["resources"] == ["pods"] and {"list", "watch"} <= set(rule["verbs"])
     assert set(rule["verbs"]) <= {"get", "list", "watch"}  # reads, nothing more
     # The config file is deploy/prometheus/k8s.yml, as the ConfigMap the header's kubectl
-    # command makes from it, under the name the flag reads.
+    # command makes from it, under the name the flag reads; its rule files are keys of the
+    # same ConfigMap, so they lie beside it in the mounted folder.
     (container,) = pod["containers"]
     config_flag = next(a for a in container["args"] if a.startswith("--config.file="))
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     volume = next(v for v in pod["volumes"] if "configMap" in v)
-    config_map = volume["configMap"]["name"]
     key = config_flag.partition("=")[2].removeprefix(mounts[volume["name"]] + "/")
-    made_by = f"kubectl create configmap {config_map} --from-file={key}=deploy/prometheus/k8s.yml"
-    assert made_by in (DEPLOY / "k8s" / "prometheus.yaml").read_text()
+    command = configmap_command((DEPLOY / "k8s" / "prometheus.yaml").read_text())
+    assert command[:4] == ["kubectl", "create", "configmap", volume["configMap"]["name"]]
+    assert f"--from-file={key}=deploy/prometheus/k8s.yml" in command
+    for rules in rule_files("k8s.yml"):
+        assert f"--from-file={rules}=deploy/prometheus/{rules}" in command
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     data = next(a for a in container["args"] if a.startswith("--storage.tsdb.path="))
     assert data.partition("=")[2] in mounts.values()  # its one writable place is a volume
+
+
+def configmap_command(header: str) -> list[str]:
+    """The arguments of the `kubectl create configmap` command a manifest's comments give,
+    its lines continued with a backslash joined."""
+    lines = [line.lstrip("# ").rstrip() for line in header.splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith("kubectl create configmap"))
+    words = []
+    for line in lines[start:]:
+        words += line.removesuffix("\\").split()
+        if not line.endswith("\\"):
+            return words
+    raise AssertionError("the kubectl command's last line ends with a backslash")
+
+
+def rule_files(prometheus_file: str) -> list[str]:
+    """The rule files a Prometheus config loads, each a file beside it in deploy/prometheus."""
+    listed = yaml.safe_load((DEPLOY / "prometheus" / prometheus_file).read_text())["rule_files"]
+    assert listed and all((DEPLOY / "prometheus" / name).is_file() for name in listed), listed
+    return listed
 
 
 @pytest.mark.parametrize("cls", [ServerConfig, LearnerConfig])
@@ -288,6 +311,24 @@ def test_compose_agrees_with_the_code(files, prometheus_file, host_of) -> None:
             assert shard_addresses(config.server) == addresses
     assert scrape_targets(prometheus_file) == expected_targets
     assert any(s["environment"].get("DILOCO_SLOWDOWN") for s in daemons.values())
+
+
+@pytest.mark.parametrize(
+    "files, prometheus_file",
+    [(["docker-compose.yml"], "compose.yml"),
+     (["docker-compose.yml", "docker-compose.host.yml"], "host.yml")],
+)  # fmt: skip
+def test_compose_prometheus_mounts_its_config_and_rules_side_by_side(
+    files: list[str], prometheus_file: str
+) -> None:
+    prometheus = compose_services(*files)["prometheus"]
+    config = next(a for a in prometheus["entrypoint"] if a.startswith("--config.file="))
+    folder = config.partition("=")[2].rpartition("/")[0]
+    # host path by container path (the last override of a target wins, as in compose)
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in prometheus["volumes"]}
+    assert mounted[config.partition("=")[2]] == f"./prometheus/{prometheus_file}"
+    for rules in rule_files(prometheus_file):
+        assert mounted[f"{folder}/{rules}"] == f"./prometheus/{rules}"
 
 
 def test_grafana_provisioning_points_at_the_dashboard_and_prometheus() -> None:

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from prometheus_client import generate_latest
 
 from server.aggregator import Aggregator
@@ -188,3 +189,18 @@ def test_dashboard_uses_only_metrics_the_code_exports() -> None:
     assert len(names) >= 12 and "process_resident_memory_bytes" in names
     for name in names:
         assert re.search(rf"^{name}[{{ ]", exported, re.M), f"{name} is not exported"
+
+
+def test_alerts_use_only_metrics_the_code_exports() -> None:
+    """Every diloco_* series deploy/prometheus/alerts.yml reads is a family the server
+    declares (a labelled family is declared before its first sample, so TYPE lines count)."""
+    families = dict(re.findall(r"^# TYPE (\S+) (\S+)$", server_exposition(), re.M))
+    exported = set(families)
+    for name, kind in families.items():
+        if kind == "histogram":
+            exported |= {f"{name}_count", f"{name}_sum", f"{name}_bucket"}
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "alerts.yml").read_text())
+    exprs = [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
+    names = {name for expr in exprs for name in re.findall(r"diloco_\w+", expr)}
+    assert len(names) >= 10 and "diloco_server_lease_expiries_total" in names
+    assert not names - exported, f"not exported: {sorted(names - exported)}"
