@@ -313,7 +313,7 @@ def _known_key(path: str, key: str, known: Mapping[str, Setting], where: str) ->
 
 def did_you_mean(name: str, candidates: Iterable[str], form: str = "{!r}") -> str:
     """'; did you mean X?' for the candidate nearest to `name`, or '' when none is near."""
-    close = difflib.get_close_matches(name, list(candidates), n=1)
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.75)
     return f"; did you mean {form.format(close[0])}?" if close else ""
 
 

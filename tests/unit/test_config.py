@@ -117,7 +117,8 @@ def test_bad_settings_exit_2_with_one_line(
     ("parse", "argv", "message"),
     [
         (server_config, ["--lease-s", "abc"], "argument --lease-s: invalid float value: 'abc'"),
-        (server_config, ["--no-such-flag"], "unrecognized arguments: --no-such-flag ("),
+        (server_config, ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (server_config, ["--zzzz"], "unrecognized arguments: --zzzz (--help lists"),
         (server_config, ["--outer-lrr", "3"], "--outer-lrr 3; did you mean '--outer-lr'?"),
         (learner_config, ["--lerner-id=a"], "did you mean '--learner-id'?"),
         (learner_config, ["--sync-every-steps"], "expected one argument"),
