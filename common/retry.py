@@ -2,11 +2,14 @@
 for waiting until something holds (a port file written, a metric reached).
 
 Capped exponential backoff with full jitter (sleep a random time up to min(cap, base·2^n)),
-so many learners that lost the same server do not come back in lock step.
+so many learners that lost the same server do not come back in lock step. Every retry is one
+log line (log_retry): what is waited for, why, the attempt and the wait before the next; the
+waits grow, so the lines thin out.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -18,6 +21,8 @@ import grpc
 from common.rpc import RETRY_AFTER_HEADER
 
 T = TypeVar("T")
+
+log = logging.getLogger("diloco.retry")
 
 # The server is down, restarting or unreachable: worth another try. So is a rate-limit
 # refusal, after the wait it names. Everything else is an answer (a refusal with a reason)
@@ -84,15 +89,26 @@ class RetryGate:
         self._next_s = 0.0
 
 
+def log_retry(what: str, why: str, attempt: int, delay_s: float) -> None:
+    """One line for a failed attempt: `what` was tried (the call and its address), `why` it
+    failed, and how long until the next try."""
+    log.warning("%s: %s (attempt %d); trying again in %.1f s", what, why, attempt, delay_s)
+
+
 def call_with_retry(
     call: Callable[[], T],
     stop: threading.Event,
     on_retry: Callable[[grpc.RpcError, float], None] | None = None,
     backoff: Backoff | None = None,
+    what: str = "",
 ) -> T:
-    """Run `call` until it succeeds, fails with a non-retryable status, or `stop` is set."""
+    """Run `call` until it succeeds, fails with a non-retryable status, or `stop` is set.
+    With `what` (the call and where it goes) each retry is logged (log_retry), after
+    `on_retry`, which may raise to give up."""
     backoff = backoff or Backoff()
+    attempt = 0
     while True:
+        attempt += 1
         try:
             return call()
         except grpc.RpcError as err:
@@ -101,6 +117,8 @@ def call_with_retry(
             delay = max(backoff.next_delay_s(), retry_after_s(err) or 0.0)
             if on_retry is not None:
                 on_retry(err, delay)
+            if what:
+                log_retry(what, err.code().name, attempt, delay)
             if stop.wait(delay):
                 raise Stopped() from err
 

@@ -111,18 +111,13 @@ class SyncSession:
         deadline = time.monotonic() + timeout_s
         self.client.wait_ready(timeout_s)
 
-        def give_up_or_wait(err: grpc.RpcError, delay_s: float) -> None:
+        def give_up(err: grpc.RpcError, delay_s: float) -> None:
             if time.monotonic() >= deadline:
                 raise err
-            log.warning(
-                "learner=%s join failed (%s); trying again in %.1f s",
-                self.learner_id,
-                err.code().name,
-                delay_s,
-            )
 
+        what = f"learner={self.learner_id} join at {self.client.target}"
         try:
-            call_with_retry(lambda: self._join(self.resume), stop, give_up_or_wait)
+            call_with_retry(lambda: self._join(self.resume), stop, give_up, what=what)
         except Stopped as stopped:
             # Asked to stop while the server is away: end with the server's error.
             raise stopped.__cause__ from None

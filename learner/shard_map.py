@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import grpc
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
-from common.retry import is_retryable
+from common.retry import is_retryable, log_retry
 from common.traffic import Traffic
 from learner.client import AggregatorClient
 
@@ -37,6 +37,9 @@ log = logging.getLogger("diloco.learner")
 # goes on without them (they are joined when they answer: learner/rejoin.py).
 ABSENT_GRACE_S = 10.0
 _READY_POLL_S = 0.05
+# While no shard has connected, wait_ready logs after each of these waits (the last repeats):
+# a learner started before its server says at once what it waits for, then less often.
+READY_NOTES_S = (1.0, 2.0, 4.0, 8.0)
 # How long a join waits for a shard to answer a DescribeShards before it counts the shard
 # as away: an address that drops packets would otherwise hold the learner (its training
 # thread, at a rejoin) for gRPC's connect timeout (20 s) at every try. Longer than the
@@ -105,12 +108,23 @@ class ShardMap:
         had ABSENT_GRACE_S more (the join goes on without them); grpc.FutureTimeoutError if
         none connects within `timeout_s`."""
         futures = [client.ready_future() for client in self.clients]
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, attempt, note_at = started + timeout_s, 0, started + READY_NOTES_S[0]
         try:
             while not all(f.done() for f in futures):
                 now = time.monotonic()
                 if any(f.done() for f in futures):
                     deadline = min(deadline, now + ABSENT_GRACE_S)
+                elif note_at <= now < deadline:  # none yet: say what it waits for
+                    attempt += 1
+                    wait_s = READY_NOTES_S[min(attempt, len(READY_NOTES_S) - 1)]
+                    note_at = now + wait_s
+                    log_retry(
+                        f"connect to {', '.join(self.addresses)}",
+                        f"no connection after {now - started:.0f} s of {timeout_s:g}",
+                        attempt,
+                        min(wait_s, deadline - now),
+                    )
                 if now >= deadline:
                     if not any(f.done() for f in futures):
                         raise grpc.FutureTimeoutError()

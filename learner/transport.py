@@ -137,27 +137,24 @@ class GrpcTransport:
                     session, fragment_id, have_version, wait_for_version, PULL_WAIT_S, self.slice_of
                 )
 
-            header, payload = self._retry(call, abandon, fragment_id) if retry else call()
+            header, payload = self._retry(call, abandon, fragment_id, "pull") if retry else call()
             if header.version >= wait_for_version:
                 return PullReply(header.kind, header.version, payload, header.params_crc32)
 
     def _abandon_event(self, shard: int) -> threading.Event:
         return self._abandon.setdefault(shard, threading.Event())
 
-    def _retry(self, call, abandon: threading.Event, fragment_id: int):
-        def note(err: grpc.RpcError, delay_s: float) -> None:
+    def _retry(self, call, abandon: threading.Event, fragment_id: int, name: str):
+        """`call` (a `name`: push or pull of the fragment) retried while its shard is away."""
+
+        def count(err: grpc.RpcError, delay_s: float) -> None:
             self.retries += 1
-            log.warning(
-                "fragment=%d shard=%d unreachable (%s); retrying in %.1f s",
-                fragment_id,
-                self.shard_of(fragment_id),
-                err.code().name,
-                delay_s,
-            )
 
         if abandon.is_set():
             raise Stopped()
-        return call_with_retry(call, abandon, note)
+        shard = self.shard_of(fragment_id)
+        what = f"fragment={fragment_id} shard={shard} {name} at {self.client.addresses[shard]}"
+        return call_with_retry(call, abandon, count, what=what)
 
     def _sync(
         self,
@@ -197,7 +194,9 @@ class GrpcTransport:
             slice_count=self.slice_of[1],
         )
         try:
-            answer = self._retry(lambda: self.client.push(header, payload), abandon, fragment_id)
+            answer = self._retry(
+                lambda: self.client.push(header, payload), abandon, fragment_id, "push"
+            )
             if answer.slices_pending:
                 # The island's other ranks' slices are still due: the rank whose slice
                 # completes the set learns how it went, and the island's ranks agree on the
