@@ -10,8 +10,8 @@ sends −10 times its pseudo-gradient and declares at Join and claims 100 times 
 the token-claim check passes it; the norm guard is set to 20x so that every one of its pushes
 gets in (the worst case for the merge). Variants: no adversary (undefended settings, and each
 defense alone: what a defense costs an honest run), and with the adversary: no defense, the
-weight cap alone (max_weight_ratio 4), the cap with clip-to-median, the cap with the trimmed
-mean. Writes bench/results/adversary.json: each variant's final eval loss of the global model
+weight cap alone (max_weight_ratio 4), the cap with the trimmed mean (untrusted_learners'
+merge). Writes bench/results/adversary.json: each variant's final eval loss of the global model
 and its ratio to the clean run's.
 """
 
@@ -35,10 +35,8 @@ CAP = {"max_weight_ratio": 4.0}
 VARIANTS = [
     ("clean", 0, OFF),
     ("clean, cap + trimmed mean", 0, {**CAP, "robust_merge": "trimmed-mean"}),
-    ("clean, cap + clip to median", 0, {**CAP, "robust_merge": "clip-to-median"}),
     ("adversary, no defense", 1, OFF),
     ("adversary, cap", 1, {**CAP, "robust_merge": "none"}),
-    ("adversary, cap + clip to median", 1, {**CAP, "robust_merge": "clip-to-median"}),
     ("adversary, cap + trimmed mean", 1, {**CAP, "robust_merge": "trimmed-mean"}),
 ]
 

@@ -50,7 +50,7 @@ QUICK = [Row("fp4", h=10), Row("sparse-2bit", h=10, topk=SPARSE_TOPK)]
 
 ROW_FORMAT = "codec:H[:topk[/pull_topk][:outer_lr[/momentum][:options]]]"
 # A row's options: the residual kept in the model, each value's mean over its senders.
-OPTIONS = {"inmodel", "senders"}
+OPTIONS = {"inmodel", "senders", "untrusted"}
 
 
 def parse_row(text: str) -> Row:
@@ -60,7 +60,7 @@ def parse_row(text: str) -> Row:
     push's), the outer lr as lr/momentum (2.25/0.5) the outer Nesterov's momentum (else the
     recipe's); `inmodel`: sparse pushes keep their residual in the
     local model too (the learner's --push-feedback-in-model); `senders`: the server's
-    --sparse-mean senders."""
+    --sparse-mean senders; `untrusted`: the server's --untrusted-learners."""
     parts = text.split(":")
     options = parts[4].split(",") if len(parts) == 5 else []
     try:
@@ -84,7 +84,8 @@ def parse_row(text: str) -> Row:
         row = Row(codec, h=h, topk=topk, pull_topk=pull_topk, outer_lr=outer_lr,
                   outer_momentum=outer_momentum,
                   feedback_in_model="inmodel" in options,
-                  sparse_mean="senders" if "senders" in options else "learners")  # fmt: skip
+                  sparse_mean="senders" if "senders" in options else "learners",
+                  untrusted="untrusted" in options)  # fmt: skip
         row.variant()  # an unknown codec raises here
         if pull_topk is not None and not is_sparse(WIRE[codec]):
             raise ValueError(f"a pull fraction is for sparse codecs; {codec} pulls dense")
@@ -256,7 +257,7 @@ def main() -> int:
         nargs="+",
         type=parse_row,
         help=f"DiLoCo rows as {ROW_FORMAT} (codecs: fp32, fp4, "
-        "sparse-2bit; options: inmodel, senders or inmodel,senders); "
+        "sparse-2bit; options: inmodel, senders or inmodel,senders; untrusted); "
         "default: fp4:20 sparse-2bit:20:0.015625 (--quick: H 10)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS)

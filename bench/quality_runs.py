@@ -57,6 +57,7 @@ class Row:
     merge_alpha: float | None = None  # the local fragment's merge weight; None: MERGE_ALPHA
     state_dtype: str = "float32"  # the server's outer_state_dtype
     sparse_mean: str = "learners"  # the server's sparse_mean (server/sparse_mean.py)
+    untrusted: bool = False  # the server's untrusted_learners (K learners a round)
 
     def __post_init__(self) -> None:
         # A run's cache key is its settings' JSON, where 3 and 3.0 differ: store every setting
@@ -81,6 +82,8 @@ class Row:
         state = "" if self.state_dtype == "float32" else f" {self.state_dtype} state"
         if self.sparse_mean != "learners":
             state += f" {self.sparse_mean} mean"
+        if self.untrusted:
+            state += " untrusted learners"
         sparse = is_sparse(WIRE.get(self.codec, ""))
         kept = " residual in model" if self.feedback_in_model and sparse else ""
         return f"{self.codec}{k}{pull} H={self.h} lr {self.lr:g}{outer}{decay}{alpha}{kept}{state}"
@@ -139,6 +142,8 @@ class Row:
             server["outer_state_dtype"] = self.state_dtype
         if self.sparse_mean != "learners":
             server["sparse_mean"] = self.sparse_mean
+        if self.untrusted:  # every round waits for all K learners in sync mode anyway
+            server |= {"untrusted_learners": True, "min_contributors": Setup.learners}
         if server:
             variant = replace(variant, server={**variant.server, **server})
         return variant

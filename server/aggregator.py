@@ -23,9 +23,10 @@ import torch
 from common.errors import FailedPrecondition, InvalidArgument
 from server.config import AggregatorSections, changed_settings, recorded_settings
 from server.learners import Learner, Learners
+from server.readings import Readings
 from server.rounds.admission import Admission, PushRefused, check_shapes, check_tokens_per_step
 from server.rounds.ingest import DenseBody, PushBody
-from server.rounds.policy import round_policy
+from server.rounds.policy import RoundSummary, round_policy
 from server.rounds.slices import SlicedBody
 from server.state.formats import Restored
 from server.state.fragment import FragmentState, PullResult
@@ -44,11 +45,11 @@ class AggregatorEvents:
     def contribution(self, staleness_versions: int) -> None:
         """A pseudo-gradient was accepted, computed this many versions behind the global."""
 
-    def round_closed(self, contributors: int, round_s: float, outer_step_s: float) -> None:
-        """A round closed: how many pushes it took, how long it stayed open, the outer step."""
+    def round_closed(self, fragment_id: int, summary: RoundSummary, round_s: float) -> None:
+        """A fragment's round closed (its pushes, tokens, outer step), open for round_s."""
 
     def influence_bounded(self, action: str) -> None:
-        """One push was bounded: weight_capped, norm_clipped or claim_refused."""
+        """One push was bounded: weight_capped or claim_refused."""
 
     def snapshot_written(self, seconds: float) -> None:
         """A durable snapshot of the whole state was written."""
@@ -67,93 +68,6 @@ class JoinResult:
     layout: str
     schedule_step: int = 0  # where the other live learners' schedule is now
     shard_map: ShardMap | None = None
-
-
-class Readings:
-    """What callers may read of the aggregator's state, each read under its lock."""
-
-    _cond: threading.Condition
-    _clock: Callable[[], float]
-    _learners: Learners
-    _params: GlobalParams
-    _store: Persistence
-
-    def median_step_time_s(self) -> float:
-        """The live learners' median inner-step time (0: none; learners.py's lock, as below)."""
-        return self._learners.median_step_time_s()
-
-    def schedule_estimate(self) -> int:
-        """Where the live learners' schedule is now (server/learners.py); 0: none reported."""
-        return self._learners.schedule_estimate()
-
-    def schedule_steps(self) -> dict[str, float]:
-        """Each reporting learner's schedule step now (differences mod H: phase offsets)."""
-        return self._learners.schedule_steps()
-
-    def state_failure(self) -> str | None:
-        """Why the state dir cannot be written, once it failed (no new versions since)."""
-        with self._cond:
-            return self._store.failure
-
-    def learner_pushes(self) -> list[tuple[str, bool, int, int, float]]:
-        """(id, live, fragment, round version, age s) of each one's last push (-1, -1: none)."""
-        with self._cond:
-            now, rows = self._clock(), []
-            for x in self._learners.everyone():
-                fid, version, at = x.last_push or (-1, -1, now)
-                if x.session_id or x.last_push:
-                    rows.append((x.learner_id, bool(x.session_id), fid, version, now - at))
-            return rows
-
-    def layout(self) -> list[tuple[int, list[int], int]]:
-        """(fragment_id, parameter indices, version) of every fragment."""
-        with self._cond:
-            return self._params.layout()
-
-    def owned(self, crc: bool = False) -> tuple[ShardMap | None, list[tuple[int, int, int]]]:
-        """The shard map (None before a fingerprint) and GlobalParams.owned(crc)."""
-        with self._cond:
-            return self._params.shard_map, self._params.owned(crc)
-
-    def owned_shapes(self) -> list[list[tuple[int, ...]]]:
-        with self._cond:
-            return self._params.owned_shapes()
-
-    def live_learners(self) -> list[str]:
-        with self._cond:
-            return sorted(learner.learner_id for learner in self._learners.live())
-
-    def has_session(self, session_id: str) -> bool:  # learners.py's lock
-        return self._learners.of_session(session_id) is not None
-
-    def has_fragment(self, fragment_id: int) -> bool:
-        with self._cond:
-            return self._params.has(fragment_id)
-
-    def version(self, fragment_id: int) -> int:
-        with self._cond:
-            return self._params.fragment(fragment_id).version
-
-    def wait_for_version(
-        self, fragment_id: int, version: int, timeout_s: float, gone: Callable[[], bool] = bool
-    ) -> int:
-        """Block until the fragment reaches `version` (it may not exist yet: before the first
-        Join), `timeout_s` passes or `gone()` is true (the caller left: see wake)."""
-        with self._cond:
-            version_of = self._params.version_of
-            self._cond.wait_for(lambda: gone() or version_of(fragment_id) >= version, timeout_s)
-            return version_of(fragment_id)
-
-    def wait_for_snapshot(self, timeout_s: float) -> bool:
-        """Block until no snapshot is being written (tests; shutdown waits by itself)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._store.snapshot_running, timeout_s)
-
-    def params(self, fragment_id: int) -> list[torch.Tensor]:
-        """A copy of a fragment's global parameters (for tests and checkpoints)."""
-        with self._cond:
-            fragment = self._params.fragment(fragment_id)
-            return [p.clone() for p in fragment.params or []]
 
 
 class Aggregator(Readings):
@@ -386,7 +300,7 @@ class Aggregator(Readings):
         if summary is None:
             return
         round_s = self._clock() - opened_at if opened_at is not None else 0.0
-        self.events.round_closed(summary.contributors, round_s, summary.outer_step_s)
+        self.events.round_closed(fragment.fragment_id, summary, round_s)
         if self._store.round_closed():  # written off the lock; a failure stops new versions
             self._store.start_snapshot(self._params)
         log.info(

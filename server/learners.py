@@ -83,6 +83,32 @@ class Learner:
     last_weight: float | None = None  # the weight its last accepted push counted with
     push_bases: dict[int, int] = field(default_factory=dict)  # fragment -> last base version
     last_push: tuple[int, int, float] | None = None  # (fragment, round version, clock time)
+    refused: int = 0  # pushes the token-claim check or the norm guard refused
+
+
+@dataclass(frozen=True)
+class LearnerRow:
+    """One learner as the status shows it; a push's fields are -1 before its first."""
+
+    learner_id: str
+    live: bool
+    last_push_fragment: int
+    last_push_version: int  # the version its last push went into
+    last_push_s_ago: float
+    staleness: int  # versions behind the fragment its last push was computed
+    tokens: int  # the session's tokens, as its heartbeats report them
+    weight_share: float  # its last push's weight over the live learners' last weights
+    refused: int
+
+
+def learner_row(x: Learner, now: float, live_weights: float) -> LearnerRow:
+    fid, version, at = x.last_push or (-1, -1, now)
+    staleness = version - 1 - x.push_bases[fid] if x.last_push and fid in x.push_bases else -1
+    share = (x.last_weight or 0.0) / live_weights if x.session_id and live_weights > 0 else 0.0
+    return LearnerRow(
+        x.learner_id, bool(x.session_id), fid, version, now - at, staleness, x.tokens, share,
+        x.refused,
+    )  # fmt: skip
 
 
 class Learners:

@@ -30,9 +30,10 @@ replay of the log rebuilds it):
   is known when the push is summed. A liar in a round of n honest learners carries at most
   c/(n + c) of the weight. Until another live learner has pushed (in the state dir's
   life: a restart keeps the last weights and the guards' norms), nothing caps a push.
-- Robust merge (`robust_merge`): `clip-to-median` scales each push down to the fragment's
-  recent median norm, so a push moves the model no further than a typical one;
-  `trimmed-mean` keeps each push's Δ for round.py's trimmed mean.
+- Robust merge (`robust_merge` trimmed-mean): each push's Δ is kept for round.py's trimmed
+  mean, so one push cannot steer a value beyond the others' range.
+- `untrusted_learners` turns on the trimmed mean and holds each learner to 2/K of a round's
+  weight (round.py's cap_shares), in rounds of K >= 3 (check_untrusted).
 Not bounded: how often a learner pushes in async mode (the rate limits bound that), nor how
 many inner steps a push claims beyond the weight cap. Called with the Aggregator's lock held.
 """
@@ -59,7 +60,7 @@ if TYPE_CHECKING:  # policy.py builds on this module's weights
 log = logging.getLogger(__name__)
 
 WEIGHTINGS = ("equal", "tokens", "tokens_squared_per_step")
-ROBUST_MERGES = ("none", "trimmed-mean", "clip-to-median")
+ROBUST_MERGES = ("none", "trimmed-mean")
 # No real pseudo-gradient comes near this; it keeps sums, momentum and the 4-bit encoding of
 # the outer update finite whatever a learner sends.
 MAX_DELTA_ABS = 1e12
@@ -73,6 +74,25 @@ MAX_ROUND_SUM_ABS = 1e37
 TOKEN_CLAIM_SLACK = 1.1
 # The most tokens per step a learner may declare (a batch of 2^40 tokens is no real step).
 MAX_TOKENS_PER_STEP = 2**40
+
+
+def check_untrusted(config: RoundsConfig) -> None:
+    """untrusted_learners' bound needs rounds of several pushes and the trimmed mean."""
+    if config.mode == "async":
+        raise ValueError(
+            "untrusted_learners needs rounds of several pushes: use mode sync or quorum "
+            "(in async mode each push is its own round)"
+        )
+    if config.robust_merge != "trimmed-mean":
+        raise ValueError(
+            f"untrusted_learners merges rounds with robust_merge trimmed-mean, got "
+            f"robust_merge {config.robust_merge!r}: leave robust_merge unset"
+        )
+    if config.min_contributors < 3:
+        raise ValueError(
+            f"untrusted_learners needs min_contributors >= 3 (a trimmed mean of fewer "
+            f"pushes drops nothing), got {config.min_contributors}"
+        )
 
 
 class PushRefused(ValueError):
@@ -162,6 +182,7 @@ class Admission:
         except ValueError as err:
             self._events.influence_bounded("claim_refused")
             rnd.excuse(learner.learner_id)
+            learner.refused += 1
             raise PushRefused(str(err)) from err
         weight, capped = self._weight(learner, tokens, inner_steps, live)
         discount = staleness_discount(fragment.version - base_version)
@@ -171,15 +192,11 @@ class Admission:
             guard.check(body.norm)
         except ValueError as err:
             rnd.excuse(learner.learner_id)
+            learner.refused += 1
             raise PushRefused(str(err)) from err
-        clip = 1.0
-        if self.config.robust_merge == "clip-to-median":
-            clip = clip_scale(body.norm, guard.median())
         keep = self.config.robust_merge == "trimmed-mean"
         now = self._clock()
-        ticket = rnd.add(
-            learner.learner_id, body, tokens, weight, discount * clip, keep, add_later, now
-        )
+        ticket = rnd.add(learner.learner_id, body, tokens, weight, discount, keep, add_later, now)
         learner.push_bases[fid] = base_version
         learner.last_weight = weight
         learner.last_push = (fid, fragment.version + 1, now)
@@ -187,8 +204,6 @@ class Admission:
         self._policy.accepted(rnd)
         if capped:
             self._events.influence_bounded("weight_capped")
-        if clip < 1.0:
-            self._events.influence_bounded("norm_clipped")
         self._events.contribution(fragment.version - base_version)
         log.info(
             "learner=%s pushed fragment=%d base=%d contributors=%d/%d",
@@ -258,14 +273,6 @@ def capped_weight(weight: float, others: Iterable[float], max_ratio: float) -> f
     if not max_ratio or not others:
         return weight
     return min(weight, max_ratio * statistics.median(others))
-
-
-def clip_scale(norm: float, median_norm: float | None) -> float:
-    """The factor that brings a push of `norm` down to `median_norm` (1 when it is not above
-    it, or when there is no median yet)."""
-    if median_norm is None or not norm > median_norm or not math.isfinite(norm):
-        return 1.0
-    return median_norm / norm
 
 
 def check_shapes(

@@ -33,14 +33,14 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition
 from server.learners import Learner, median_step_time_s
-from server.rounds.admission import ROBUST_MERGES, WEIGHTINGS
+from server.rounds.admission import ROBUST_MERGES, WEIGHTINGS, check_untrusted
 from server.rounds.outer import DelayedNesterov, NesterovOuter, OuterConfig
 from server.rounds.round import Round
 from server.state.fragment import FragmentState
@@ -85,10 +85,15 @@ class RoundsConfig:
     """A push weighs at most this many times the median of the other live learners' last
     weights, whatever tokens it claims (server/rounds/admission.py); 0: off. 4 lets an honest
     learner do twice the median's tokens per step under tokens_squared_per_step."""
-    robust_merge: str = "none"
-    """none (the weighted mean), trimmed-mean (value by value, drop the trim_fraction
-    largest and smallest of a round's pushes; sync and quorum modes) or clip-to-median
-    (scale each push down to the fragment's recent median norm): for untrusted learners."""
+    untrusted_learners: bool = False
+    """Bound what any one learner can do, whatever it sends or claims: rounds take the
+    trimmed mean (robust_merge trimmed-mean) and no learner holds more than 2/K of a
+    round's weight (K: its contributors). Sync and quorum modes, min_contributors >= 3
+    (docs/architecture.md, "Bounded influence")."""
+    robust_merge: str = ""
+    """none (the weighted mean) or trimmed-mean (value by value, drop the trim_fraction
+    largest and smallest of a round's pushes; sync and quorum modes). Default: trimmed-mean
+    with untrusted_learners, else none."""
     trim_fraction: float = 0.2
     """trimmed-mean: the share of a round's K pushes dropped at each end, at least one when
     K >= 3 (server/rounds/round.py)."""
@@ -114,17 +119,42 @@ class RoundsConfig:
             raise ValueError(
                 f"max_weight_ratio must be 0 (off) or >= 1, got {self.max_weight_ratio}"
             )
+        if not self.robust_merge:
+            self.robust_merge = "trimmed-mean" if self.untrusted_learners else "none"
+        if self.robust_merge == "clip-to-median":
+            raise ValueError(
+                "robust_merge clip-to-median is not offered: it bounds a push's size but not "
+                "its direction (one learner of eight moved a round's step by 77%); set "
+                "untrusted_learners (sync or quorum mode) instead"
+            )
         if self.robust_merge not in ROBUST_MERGES:
             raise ValueError(
                 f"robust_merge must be one of {', '.join(ROBUST_MERGES)}, got {self.robust_merge!r}"
             )
+        if self.untrusted_learners:
+            check_untrusted(self)
         if self.robust_merge == "trimmed-mean" and self.mode == "async":
             raise ValueError(
                 "robust_merge trimmed-mean needs rounds of several pushes (sync or quorum "
-                "mode); in async mode use clip-to-median"
+                "mode); in async mode each push is its own round"
             )
         if not 0 < self.trim_fraction < 0.5:
             raise ValueError(f"trim_fraction must be in (0, 0.5), got {self.trim_fraction}")
+
+    def max_share(self, contributors: int) -> float:
+        """The largest share of a round's weight one learner may hold (0: unbounded)."""
+        return min(1.0, 2 / contributors) if self.untrusted_learners and contributors else 0.0
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """An open round: pushes taken, live learners not heard from, the quorum, and the grace
+    window's time left once the quorum is reached (quorum mode; None: not in grace)."""
+
+    pushes: int
+    awaited: int
+    quorum: int
+    grace_left_s: float | None
 
 
 @dataclass(frozen=True)
@@ -133,6 +163,7 @@ class RoundSummary:
     contributors: int
     tokens: int
     outer_step_s: float
+    largest_share: float = 0.0  # of the round's weight one learner held
 
 
 class RoundPolicy:
@@ -206,6 +237,7 @@ class RoundPolicy:
         started = time.perf_counter()
         with fragment.state_lock:  # a snapshot copies the fragment before or after the step
             setting = self.before_close(fragment, len(live))
+            rnd.cap_shares(self.config.max_share(len(rnd.contributors)))
             mean = rnd.mean(self.expected_weight(rnd, live), self.config.trim_fraction)
             mean_s = time.perf_counter() - started
             try:
@@ -215,7 +247,8 @@ class RoundPolicy:
             started = time.perf_counter()
             fragment.apply_mean(mean)
             step_s = mean_s + time.perf_counter() - started
-        return RoundSummary(fragment.version, rnd.pushes, rnd.tokens, step_s)
+            fragment.closed_at = self._clock()
+        return RoundSummary(fragment.version, rnd.pushes, rnd.tokens, step_s, rnd.largest_share)
 
     def before_close(self, fragment: FragmentState, live: int) -> int:
         """Set the outer optimizer up for the step about to be taken with `live` learners;
@@ -227,6 +260,11 @@ class RoundPolicy:
 
     def _closes(self, rnd: Round, live: Collection[Learner]) -> bool:
         raise NotImplementedError
+
+    def round_state(self, rnd: Round, live: Collection[Learner]) -> RoundState:
+        """The open round as the status page shows it."""
+        awaited = {x.learner_id for x in live} - rnd.contributors - rnd.excused
+        return RoundState(rnd.pushes, len(awaited), self.config.min_contributors, None)
 
 
 class Sync(RoundPolicy):
@@ -257,24 +295,31 @@ class Quorum(RoundPolicy):
             rnd.reached_quorum(self._clock())
 
     def expected_weight(self, rnd: Round, live: Collection[Learner]) -> float:
-        """Every live learner in the round, each at the weight of its last push (one never
-        seen counts as this round's average); 0 with scale_partial_rounds off."""
+        """Every live learner in the round, each at its weight in this round or else that of
+        its last push (one never seen counts as this round's average); 0 with
+        scale_partial_rounds off."""
         if not self.config.scale_partial_rounds:
             return 0.0
         average = rnd.weight_sum / max(1, rnd.pushes)
-        return sum(
-            average if learner.last_weight is None else learner.last_weight for learner in live
-        )
+        last = {x.learner_id: average if x.last_weight is None else x.last_weight for x in live}
+        return sum((last | rnd.weights).get(x.learner_id, 0.0) for x in live)
 
     def _closes(self, rnd: Round, live: Collection[Learner]) -> bool:
         if _everyone(rnd, live):
             return True
-        if rnd.quorum_since is None:
-            return False
-        cfg = self.config
+        return rnd.quorum_since is not None and self._grace_left_s(rnd, live) <= 0
+
+    def _grace_left_s(self, rnd: Round, live: Collection[Learner]) -> float:
+        cfg, since = self.config, cast(float, rnd.quorum_since)
         step_times = (learner.step_time_s for learner in live)
         grace = grace_window_s(step_times, cfg.grace_steps, cfg.grace_min_s, cfg.grace_max_s)
-        return self._clock() >= rnd.quorum_since + grace
+        return since + grace - self._clock()
+
+    def round_state(self, rnd: Round, live: Collection[Learner]) -> RoundState:
+        state = super().round_state(rnd, live)
+        if rnd.quorum_since is None:
+            return state
+        return replace(state, grace_left_s=max(0.0, self._grace_left_s(rnd, live)))
 
 
 class Async(RoundPolicy):

@@ -61,6 +61,8 @@ class Round:
     delta_sum: list[torch.Tensor] | None = None  # Σ weight·discount·Δ
     weight_sum: float = 0.0  # Σ weight (undiscounted: stale contributions shrink the step)
     contributors: set[str] = field(default_factory=set)
+    weights: dict[str, float] = field(default_factory=dict)  # each contributor's weight
+    largest_share: float = 0.0  # of the weight one learner held, set when the round closes
     # Learners whose push was refused (norm guard, token claim): the round does not wait for
     # them, and a round that ends with no accepted push takes no step (policy.py).
     excused: set[str] = field(default_factory=set)
@@ -121,6 +123,7 @@ class Round:
         self.abs_bound += scale * body.max_abs
         self.weight_sum += weight
         self.contributors.add(learner_id)
+        self.weights[learner_id] = weight
         self.excused.discard(learner_id)
         self.pushes += 1
         self.tokens += tokens
@@ -150,6 +153,15 @@ class Round:
             pending, self.deferred = self.deferred, []  # as in add
             add_in_turn(pending, self.delta_sum)
 
+    def cap_shares(self, max_share: float) -> None:
+        """Hold each learner's weight to `max_share` of the round's (0: unbounded) before the
+        close; only a trimmed mean's round can (its sum is made at the close, from `kept`)."""
+        if max_share and self.kept is not None:
+            self.weights = dict(
+                zip(self.weights, share_capped(list(self.weights.values()), max_share), strict=True)
+            )
+            self.weight_sum = sum(self.weights.values())
+
     def mean(self, expected_weight: float = 0.0, trim_fraction: float = 0.0) -> list[torch.Tensor]:
         """The pseudo-gradient the outer step takes, made in the sum's own buffers.
 
@@ -165,6 +177,8 @@ class Round:
             trim = trim_count(len(self.kept), trim_fraction)
             trimmed_mean_into(self.delta_sum, self.kept, trim, self.weight_sum)
             self.kept = None
+        if self.weight_sum > 0:
+            self.largest_share = max(self.weights.values()) / self.weight_sum
         denominator = max(self.weight_sum, expected_weight)
         if self.senders is not None and self.senders.values is not None:
             self.spare_senders = self.senders.divide(self.delta_sum, self.weight_sum / denominator)
@@ -276,6 +290,27 @@ def trim_count(pushes: int, trim_fraction: float) -> int:
     if pushes < 3:
         return 0
     return max(1, math.floor(trim_fraction * pushes))
+
+
+def share_capped(weights: Sequence[float], max_share: float) -> list[float]:
+    """`weights`, each at most t, with t the largest level at which no weight exceeds
+    `max_share` of the capped total (max_share >= 1/len(weights): every level up to t
+    keeps it). The largest weights are cut first; the others keep their values."""
+    total, ordered = sum(weights), sorted(weights)
+    if not weights or ordered[-1] <= max_share * total:
+        return list(weights)
+    if max_share * len(weights) < 1:
+        raise ValueError(f"max_share {max_share} < 1/{len(weights)}: no capped weights fit it")
+    uncapped = total
+    for capped in range(1, len(weights)):
+        uncapped -= ordered[-capped]  # the sum of all but the `capped` largest
+        if max_share * capped >= 1:
+            level = ordered[-capped]  # every level is feasible: cut down to the next weight
+        else:
+            level = max_share * uncapped / (1 - max_share * capped)
+        if level >= ordered[-capped - 1]:
+            return [min(w, level) for w in weights]
+    return [min(w, ordered[0]) for w in weights]  # equal weights: share 1/n each
 
 
 def trimmed_mean_into(

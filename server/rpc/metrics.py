@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from common.traffic import NO_FRAGMENT
 from server.aggregator import Aggregator, AggregatorEvents
 from server.rounds.admission import staleness_discount
+from server.rounds.policy import RoundSummary
 
 if TYPE_CHECKING:  # the servicer counts into this module's counters
     from server.rpc.auth import TokenAuth
@@ -72,9 +73,23 @@ class ServerMetrics(AggregatorEvents):
         self.bounded = Counter(
             "diloco_server_bounded_contributions",
             "Pushes whose influence was bounded, by action: weight_capped (weight lowered to "
-            "max_weight_ratio x the others' median), norm_clipped (robust_merge "
-            "clip-to-median), claim_refused (more tokens than declared at Join; refused).",
+            "max_weight_ratio x the others' median), claim_refused (more tokens than "
+            "declared at Join; refused).",
             ["action"],
+            registry=r,
+        )
+        self.largest_share = Gauge(
+            "diloco_server_round_max_weight_share",
+            "The largest share of its round's weight one learner held, in the fragment's last "
+            "closed round (after any cap).",
+            ["fragment"],
+            registry=r,
+        )
+        self.share_bound = Gauge(
+            "diloco_server_weight_share_bound",
+            "2/K for the fragment's last closed round of K pushes: twice a fair share, the "
+            "most untrusted_learners lets one learner hold.",
+            ["fragment"],
             registry=r,
         )
         self.snapshot = Histogram(
@@ -118,10 +133,13 @@ class ServerMetrics(AggregatorEvents):
         self.staleness.observe(staleness_versions)
         self.discount.inc(staleness_discount(staleness_versions))
 
-    def round_closed(self, contributors: int, round_s: float, outer_step_s: float) -> None:
-        self.quorum.observe(contributors)
+    def round_closed(self, fragment_id: int, summary: RoundSummary, round_s: float) -> None:
+        self.quorum.observe(summary.contributors)
         self.round_duration.observe(round_s)
-        self.outer_step.observe(outer_step_s)
+        self.outer_step.observe(summary.outer_step_s)
+        fragment = str(fragment_id)
+        self.largest_share.labels(fragment).set(summary.largest_share)
+        self.share_bound.labels(fragment).set(min(1.0, 2 / max(1, summary.contributors)))
 
     def influence_bounded(self, action: str) -> None:
         self.bounded.labels(action).inc()

@@ -358,13 +358,13 @@ def _shard_status(aggregator: Aggregator) -> pb.StatusResponse:
     ]
     learners = [
         pb.LearnerStatus(
-            learner_id=learner_id,
-            live=live,
-            last_push_fragment=fid,
-            last_push_version=version,
-            last_push_age_s=age_s,
+            learner_id=row.learner_id,
+            live=row.live,
+            last_push_fragment=row.last_push_fragment,
+            last_push_version=row.last_push_version,
+            last_push_age_s=row.last_push_s_ago,
         )
-        for learner_id, live, fid, version, age_s in aggregator.learner_pushes()
+        for row in aggregator.learner_rows()
     ]
     return pb.StatusResponse(
         shard_index=sharding.shard_index,

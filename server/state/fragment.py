@@ -96,6 +96,7 @@ class FragmentState:
         self.pull_sparse_k = pull_sparse_k  # values kept per chunk by a sparse pull codec
         self.params: list[torch.Tensor] | None = None
         self.version = -1
+        self.closed_at: float | None = None  # clock time of its last round's close
         self.round = Round(list(shapes), sparse_mean)  # rounds/round.py changes it
         self._residual: list[torch.Tensor] | None = None
         # (version the update starts from, the serialized EncodedFragment of the quantized

@@ -134,7 +134,7 @@ class GlobalParams:
         pull reports it) only with `crc` and once the fragment has parameters, else 0."""
         return [
             (f.fragment_id, f.version, f.pull(f.version).params_crc32 if crc and f.params else 0)
-            for f in self._owned_fragments()
+            for f in self.owned_fragments()
         ]
 
     def layout(self) -> list[tuple[int, list[int], int]]:
@@ -143,9 +143,9 @@ class GlobalParams:
 
     def owned_shapes(self) -> list[list[tuple[int, ...]]]:
         """The tensor shapes of each fragment this shard owns (none before a fingerprint)."""
-        return [list(f.shapes) for f in self._owned_fragments()]
+        return [list(f.shapes) for f in self.owned_fragments()]
 
-    def _owned_fragments(self) -> list[FragmentState]:
+    def owned_fragments(self) -> list[FragmentState]:
         return [
             f
             for f in self.fragments

@@ -7,8 +7,8 @@ from common.config import build_config
 from common.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from server.aggregator import Aggregator
 from server.config import AggregatorConfig, aggregator_config
-from server.rounds.admission import capped_weight, check_claim, clip_scale
-from server.rounds.round import trim_count, trimmed_mean_into
+from server.rounds.admission import capped_weight, check_claim
+from server.rounds.round import share_capped, trim_count, trimmed_mean_into
 from server.rpc.metrics import ServerMetrics
 from server.state.params import ParamSpec
 from tests.support.fakes import FakeClock
@@ -141,24 +141,49 @@ def test_trimmed_mean_keeps_the_partial_round_step() -> None:
     assert values[0] == values[1] == -0.75 * 2.0
 
 
-def test_clip_to_median_shrinks_a_large_push_to_the_recent_median_norm() -> None:
-    assert clip_scale(10.0, 2.0) == 0.2 and clip_scale(1.0, 2.0) == 1.0
-    assert clip_scale(10.0, None) == 1.0
-    agg, (a, b), get = make(2, mode="sync", robust_merge="clip-to-median", max_norm_ratio=0.0)
-    for version in range(2):  # four pushes of norm 2 (|[1,1,1,1]|): the median is known
-        push(agg, a, version, 1.0)
-        push(agg, b, version, 1.0)
-    push(agg, a, 2, 1.0)
-    push(agg, b, 2, -9.0)  # norm 18, clipped to 2: −1 per value, its weight in full
-    assert value(agg) == pytest.approx(-2.0 - (1.0 - 1.0) / 2)
-    assert get("diloco_server_bounded_contributions_total", {"action": "norm_clipped"}) == 1
+def test_share_capped_holds_every_weight_to_its_share_of_the_capped_total() -> None:
+    capped = share_capped([1.0] * 7 + [100.0], 2 / 8)
+    assert capped[:7] == [1.0] * 7 and capped[7] == pytest.approx(7 / 3)  # t = (7 + t) / 4
+    assert max(capped) / sum(capped) == pytest.approx(2 / 8)
+    assert share_capped([3.0, 1.0, 1.0, 1.0], 0.5) == [3.0, 1.0, 1.0, 1.0]  # within: unchanged
+    two = share_capped([50.0, 40.0, 1.0, 1.0, 1.0], 0.4)  # the two largest capped alike
+    assert two[0] == two[1] and max(two) / sum(two) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="no capped weights fit"):
+        share_capped([1.0, 5.0], 0.25)
+
+
+def test_untrusted_learners_trims_and_caps_one_liar_in_a_round_of_four() -> None:
+    agg, sessions, get = make(4, mode="quorum", min_contributors=4, untrusted_learners=True)
+    for i, session in enumerate(sessions[:3]):
+        push(agg, session, 0, 1.0 + i, tokens=1000)  # Δ 1, 2, 3 at weight 1e5 each
+    push(agg, sessions[3], 0, -50.0, tokens=10**6)  # trimmed away; its weight 1e11 capped
+    # The trimmed mean of (1, 2, 3, −50) drops −50 and 3: 1.5, a full round's step.
+    assert value(agg) == pytest.approx(-1.5)
+    share = get("diloco_server_round_max_weight_share", {"fragment": "0"})
+    assert (
+        share == pytest.approx(0.5)
+        and get("diloco_server_weight_share_bound", {"fragment": "0"}) == 0.5
+    )
+
+
+def test_the_share_gauge_reports_an_uncapped_learner_above_its_bound() -> None:
+    agg, (a, b, c), get = make(3, mode="quorum", min_contributors=3, weighting="tokens")
+    push(agg, a, 0, 1.0, tokens=100)
+    push(agg, b, 0, 1.0, tokens=100)
+    push(agg, c, 0, 1.0, tokens=400)  # 400 / 600 of the weight, the cap (4 x 100) allows it
+    assert get("diloco_server_round_max_weight_share", {"fragment": "0"}) == pytest.approx(2 / 3)
+    assert get("diloco_server_weight_share_bound", {"fragment": "0"}) == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
         ({"robust_merge": "median"}, "robust_merge must be one of"),
-        ({"robust_merge": "trimmed-mean", "mode": "async"}, "in async mode use clip-to-median"),
+        ({"robust_merge": "trimmed-mean", "mode": "async"}, "each push is its own round"),
+        ({"robust_merge": "clip-to-median"}, "bounds a push's size but not its direction"),
+        ({"untrusted_learners": True, "mode": "async"}, "untrusted_learners needs rounds"),
+        ({"untrusted_learners": True, "min_contributors": 2}, "min_contributors >= 3"),
+        ({"untrusted_learners": True, "robust_merge": "none"}, "leave robust_merge unset"),
         ({"trim_fraction": 0.5}, "trim_fraction must be in"),
         ({"max_weight_ratio": 0.5}, "max_weight_ratio must be 0"),
     ],
