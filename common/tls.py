@@ -4,10 +4,14 @@
     creds = channel_credentials(ca="ca.crt", cert="learner.crt", key="learner.key")
 
 Files are PEM. A missing or unreadable file is a ValueError that names the setting, so the
-daemons report it in one line. Plaintext is only ever chosen explicitly (`insecure`).
+daemons report it in one line. Plaintext is only ever chosen explicitly (`insecure`), and a
+client that cannot connect asks `speaks_tls` whether the two sides chose alike.
 """
 
 from __future__ import annotations
+
+import socket
+import ssl
 
 import grpc
 
@@ -44,3 +48,26 @@ def channel_credentials(ca: str = "", cert: str = "", key: str = "") -> grpc.Cha
         private_key=read_pem(key, "tls_key") if key else None,
         certificate_chain=read_pem(cert, "tls_cert") if cert else None,
     )
+
+
+def speaks_tls(address: str, timeout_s: float = 2.0) -> bool | None:
+    """Whether the server at `address` (host:port) answers a TLS handshake: True, False (it
+    answers, but not in TLS: a plaintext server), or None (no answer at all). Verifies
+    nothing: it only tells a client that failed to connect which of the two it met."""
+    host, _, port = address.rpartition(":")
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])  # as gRPC offers: a server may refuse a hello without
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout_s) as sock:
+            with context.wrap_socket(sock, server_hostname=host.strip("[]")):
+                return True
+    except ssl.SSLError as err:
+        # An alert is TLS too: the server refused this hello (e.g. it wants a certificate).
+        return "ALERT" in (err.reason or "")
+    except TimeoutError:
+        return None  # connected, or not, but silent: nothing to tell from that
+    except ConnectionResetError:
+        return False  # accepted, then dropped the hello: not TLS
+    except (OSError, ValueError):
+        return None  # nothing listens there, or no such host

@@ -4,7 +4,8 @@
 
 Every call carries the learner id (the server's rate limits are per learner,
 server/rpc/limits.py) and, with an auth_token_file, the learner's token (server/rpc/auth.py).
-A token file that cannot be read ends in one ValueError naming it.
+A token file that cannot be read ends in one ValueError naming it; a server that cannot be
+reached, in the one sentence of `unreachable` (diloco-learner's and diloco-status's).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.rpc import LEARNER_ID_HEADER
-from common.tls import channel_credentials
+from common.tls import channel_credentials, speaks_tls
 from learner.config import ConnectionConfig
 from learner.shards import ShardedClient
 
@@ -41,3 +42,25 @@ def auth_metadata(config: ConnectionConfig) -> tuple[tuple[str, str], ...]:
     if not token:
         raise ValueError(f"auth_token_file {config.auth_token_file} is empty")
     return ((LEARNER_ID_HEADER, config.learner_id), ("authorization", f"Bearer {token}"))
+
+
+def unreachable(config: ConnectionConfig) -> str:
+    """Why the server did not answer, in one sentence: it speaks plaintext where `config` asks
+    for TLS or the other way round (the commonest first-run mistake, which gRPC reports only
+    as UNAVAILABLE), or else that it cannot be reached."""
+    for address in config.addresses():
+        tls = speaks_tls(address)
+        if tls and config.insecure:
+            return (
+                f"the server at {address} serves TLS, but this client is set to insecure: "
+                "drop insecure and set tls_ca to the CA that signed the server's certificate"
+            )
+        if tls is False and not config.insecure:
+            return (
+                f"the server at {address} serves plaintext (insecure), but this client uses "
+                "TLS: set insecure here too, or start the server with tls_cert and tls_key"
+            )
+    return (
+        f"cannot reach the server at {config.server} (is it up, and do both sides agree on "
+        "TLS or insecure?)"
+    )

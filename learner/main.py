@@ -24,6 +24,7 @@ import grpc
 from common.config import config_parser, parse_command_line
 from common.metrics_http import serve_metrics
 from learner.config import LearnerConfig
+from learner.connection import unreachable
 from learner.island import Island, exit_without_teardown
 from learner.progress import Progress
 from learner.shards import ShardMapError
@@ -62,10 +63,7 @@ def main() -> None:
         progress = learner.run(stop)
         finished = True
     except grpc.FutureTimeoutError:
-        sys.exit(
-            f"diloco-learner: error: cannot reach the server at {config.connection.server} (is "
-            "it up, and do both sides agree on TLS or insecure?)"
-        )
+        sys.exit(f"diloco-learner: error: {unreachable(config.connection)}")
     except grpc.RpcError as err:
         sys.exit(f"diloco-learner: error: the server answered {err.code().name}: {err.details()}")
     except ShardMapError as err:

@@ -20,8 +20,9 @@ from google.protobuf.json_format import MessageToDict
 
 from common.config import config_parser, parse_command_line
 from common.generated.diloco.v1 import aggregator_pb2 as pb
+from common.retry import RETRYABLE
 from learner.config import ConnectionConfig
-from learner.connection import connect
+from learner.connection import connect, unreachable
 
 
 @dataclass(kw_only=True)
@@ -89,8 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         answers = shard_statuses(config.connection)
     except grpc.RpcError as err:  # the one address given, asked for the others
-        server = config.connection.server
-        parser.exit(1, f"diloco-status: error: cannot reach {server} ({err.code().name})\n")
+        why = (
+            unreachable(config.connection)
+            if err.code() in RETRYABLE  # down, or not speaking what this client speaks
+            else f"the server at {config.connection.server} answered {err.code().name}: "
+            f"{err.details()}"
+        )
+        parser.exit(1, f"diloco-status: error: {why}\n")
     except ValueError as err:  # an unreadable token file, a run that lists no addresses
         parser.exit(2, f"diloco-status: error: {err}\n")
     for address, status in answers:

@@ -73,5 +73,6 @@ def test_status_reports_an_unreachable_server() -> None:
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.strip() == (
-        f"diloco-status: error: cannot reach 127.0.0.1:{port} (UNAVAILABLE)"
+        f"diloco-status: error: cannot reach the server at 127.0.0.1:{port} (is it up, and do "
+        "both sides agree on TLS or insecure?)"
     )

@@ -18,7 +18,7 @@ from common.config import build_config
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1.aggregator_pb2_grpc import AggregatorStub
 from common.rpc import LEARNER_ID_HEADER, SERVICE_NAME
-from common.tls import channel_credentials
+from common.tls import channel_credentials, speaks_tls
 from learner.client import AggregatorClient
 from server.config import ServerConfig
 from tests.support.processes import REPO, TINY_LEARNER_FLAGS
@@ -200,6 +200,35 @@ def test_a_learner_process_trains_over_mutual_tls_bound_to_its_certificate(
     assert result.returncode == 0, result.stderr[-2000:]
     assert "outer_steps=2" in result.stdout
     assert service.aggregator.version(0) >= 2
+
+
+def test_a_client_is_told_when_it_and_the_server_chose_differently_between_tls_and_plaintext(
+    start_service, pki: Path
+) -> None:
+    """diloco-status and diloco-learner name the mismatch (learner/connection.py) where gRPC
+    says only UNAVAILABLE."""
+    tls = start_service(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"))
+    plain = start_service()
+    assert speaks_tls(f"127.0.0.1:{tls.port}") is True
+    assert speaks_tls(f"127.0.0.1:{plain.port}") is False
+    to_tls = f"the server at 127.0.0.1:{tls.port} serves TLS, but this client is set to insecure"
+    to_plain = f"the server at 127.0.0.1:{plain.port} serves plaintext (insecure), but this "
+    to_plain += "client uses TLS: set insecure here too, or start the server with tls_cert and"
+    ca = ["--tls-ca", str(pki / "ca.crt")]
+    learner = [f for f in TINY_LEARNER_FLAGS if f != "--insecure"]
+    for prog, module, port, flags, message in [
+        ("diloco-status", "learner.status", tls.port, ["--insecure"], to_tls),
+        ("diloco-status", "learner.status", plain.port, ca, to_plain),
+        ("diloco-learner", "learner.main", plain.port, [*learner, "--connect-timeout-s", "1", *ca],
+         to_plain),
+    ]:  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", module, "--server", f"127.0.0.1:{port}", *flags],
+            cwd=REPO, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 1, result.stderr[-2000:]
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"{prog}: error: {message}"), last
 
 
 def server_config(**settings) -> ServerConfig:
