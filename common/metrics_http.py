@@ -1,26 +1,72 @@
-"""The Prometheus endpoint of either daemon (one HTTP server for one registry), and port files.
+"""The Prometheus endpoint of either daemon (one HTTP server for one registry, and any pages
+beside /metrics), and port files.
 
     port = serve_metrics("0.0.0.0:9100", registry, port_file="")
+    port = serve_metrics(listen, registry, pages={"/status": lambda: ("text/html", body())})
 
 Started only from a daemon's main(); binding port 0 picks a free port and, like the gRPC
-port, can be written to a file for launchers and tests.
+port, can be written to a file for launchers and tests. Any path that is not a page gets the
+metrics, as prometheus_client's own server does.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, start_http_server
+import logging
+import socket
+import threading
+from collections.abc import Callable, Mapping
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from common.atomic import atomic_write
 
+# A page: () -> (content type, body); an exception answers 500 with its message.
+Page = Callable[[], tuple[str, bytes]]
 
-def serve_metrics(listen: str, registry: CollectorRegistry, port_file: str = "") -> int:
-    """Serve `registry` at http://listen/metrics on a daemon thread; returns the bound port."""
+log = logging.getLogger(__name__)
+
+
+def serve_metrics(
+    listen: str, registry: CollectorRegistry, port_file: str = "", pages: Mapping[str, Page] = {}
+) -> int:
+    """Serve `registry` at http://listen/metrics and each of `pages` at its path, on daemon
+    threads (one a request); returns the bound port."""
     host, _, port = listen.rpartition(":")
-    server, _ = start_http_server(int(port), addr=host.strip("[]") or "0.0.0.0", registry=registry)
+    host = host.strip("[]") or "0.0.0.0"
+    metrics = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        page = pages.get(environ.get("PATH_INFO", ""))
+        if page is None:
+            return metrics(environ, start_response)
+        try:
+            content_type, body = page()
+            status = "200 OK"
+        except Exception as err:  # noqa: BLE001 - one page's failure is that request's alone
+            log.exception("page %s failed", environ.get("PATH_INFO"))
+            content_type, body, status = "text/plain", f"{err}\n".encode(), "500 Server Error"
+        start_response(status, [("Content-Type", content_type), ("Cache-Control", "no-store")])
+        return [body]
+
+    family = socket.getaddrinfo(host, None)[0][0]
+    server_class = type("Server", (_ThreadingServer,), {"address_family": family})
+    server = make_server(host, int(port), app, server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     bound = server.server_port
     if port_file:
         write_port_file(port_file, bound)
     return bound
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never keeps the daemon from exiting
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
+        """Not one line per scrape on the daemon's stderr."""
 
 
 def write_port_file(path: str, port: int) -> None:

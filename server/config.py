@@ -159,9 +159,21 @@ class ObservabilityConfig:
     """host:port for the Prometheus endpoint (/metrics), e.g. 0.0.0.0:9100; empty: off."""
     metrics_port_file: str = ""
     """If set, write the bound metrics port to this file (for launchers using port 0)."""
+    status_page: bool = True
+    """Serve the status page (/status, HTML) and its JSON (/status.json) on the metrics
+    port, with no authentication, as /metrics: keep that port on a private network."""
+    shard_status_urls: str = ""
+    """Every shard's status page URL, in index order, comma-separated: the page's links to
+    the other shards. Empty: each shard's host from shard_addresses with this metrics port."""
 
     def __post_init__(self) -> None:
         check_listen("metrics_listen", self.metrics_listen)
+        for url in self.status_urls():
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"shard_status_urls must be http(s) URLs, got {url!r}")
+
+    def status_urls(self) -> list[str]:
+        return [url.strip() for url in self.shard_status_urls.split(",") if url.strip()]
 
 
 # ---- Recipes -----------------------------------------------------------------------------
@@ -254,6 +266,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         check_aggregator_sections(self)
         self.network.check_tls_chosen()
+        urls = self.observability.status_urls()
+        if urls and len(urls) != self.sharding.shard_count:
+            raise ValueError(
+                f"shard_status_urls lists {len(urls)} URLs; it must list all "
+                f"{self.sharding.shard_count} shards, in index order"
+            )
 
 
 def check_aggregator_sections(config: AggregatorSections) -> None:

@@ -74,6 +74,7 @@ from server.rpc.limits import InFlightLimit, RateLimit, StreamDeadlines
 from server.rpc.metrics import ServerMetrics
 from server.rpc.receive import ChunkViews, PushBudget
 from server.rpc.servicer import AggregatorServicer
+from server.status_report import status_pages
 
 log = logging.getLogger("diloco.server")
 
@@ -183,7 +184,7 @@ class AggregatorService:
         if self._health_server is not None:
             self._health_server.stop(grace=0).wait()  # first: probes see it going at once
         self._server.stop(grace=grace_s).wait()
-        self.aggregator.checkpoint()
+        self.aggregator.checkpoint()  # logs the snapshot it writes (state/store.py)
         for fid, counts in self.servicer.traffic.by_fragment().items():
             log.info(
                 "fragment=%d bytes_received=%d bytes_sent=%d",
@@ -191,7 +192,18 @@ class AggregatorService:
                 counts["received"],
                 counts["sent"],
             )
-        log.info("stopped")
+        log.info("stopped; %s", self._where_the_state_is())
+
+    def _where_the_state_is(self) -> str:
+        """The last line's account of the state: a user stopping a run wants to know what a
+        restart resumes from (the snapshot itself is logged as it is written)."""
+        if not (state_dir := self.config.persistence.state_dir):
+            return "no state_dir, so nothing was saved: a restart starts from the first join"
+        if (failure := self.aggregator.state_failure()) is not None:
+            return (
+                f"no final snapshot, as {state_dir} failed ({failure}); a restart resumes from it"
+            )
+        return f"the state is in {state_dir}"
 
     def _expire_leases(self) -> None:
         # Often enough for grace windows; a dead learner is dropped within a lease and a tick,
@@ -297,12 +309,16 @@ def main() -> None:
     try:
         service = AggregatorService(config)
         if observability.metrics_listen:
-            port = serve_metrics(
-                observability.metrics_listen,
-                service.metrics.registry,
-                observability.metrics_port_file,
+            bound: list[int] = []  # the status page links with the port once it is bound
+            pages = {}
+            if observability.status_page:
+                traffic = service.servicer.traffic
+                pages = status_pages(service.aggregator, traffic, config, lambda: bound[0])
+            registry, port_file = service.metrics.registry, observability.metrics_port_file
+            bound.append(serve_metrics(observability.metrics_listen, registry, port_file, pages))
+            logging.getLogger("diloco.server").info(
+                "metrics on port %d at /metrics%s", bound[0], ", status at /status" * bool(pages)
             )
-            logging.getLogger("diloco.server").info("metrics on port %d at /metrics", port)
         if service.auth is not None:  # before start(): a SIGHUP must never find the default
             signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service))
         service.start()
