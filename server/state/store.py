@@ -207,7 +207,7 @@ class Persistence:
         """Write the snapshot, `off_lock` taking each fragment's own state lock for its copy
         (else the caller holds the Aggregator's lock throughout)."""
         held = self._lock if off_lock else contextlib.nullcontext()
-        started, entries, failure = time.perf_counter(), [], None
+        started, entries, failure, versions = time.perf_counter(), [], None, {}
         try:
             # Each fragment's copy (its file's image) under its state lock, its write off it,
             # while the next one is copied: at most two copies at a time.
@@ -216,6 +216,7 @@ class Persistence:
                 for fragment in fragments:
                     with fragment.state_lock if off_lock else contextlib.nullcontext():
                         prepared = prepare_fragment(fragment.state_dict())
+                        versions[fragment.fragment_id] = fragment.version
                     if writing is not None:
                         entries.append(writing.result())
                     fid = fragment.fragment_id
@@ -229,6 +230,11 @@ class Persistence:
             self._store.commit_snapshot(self._number, self._tmp, header, entries)
         except Exception as err:  # noqa: BLE001 - any failure to write stops new versions
             failure = f"cannot write {self._tmp}: {getattr(err, 'strerror', None) or err}"
+        else:  # one line per snapshot: the last one says what a restart resumes from
+            path, seconds = self._store.snapshot_dir(self._number), time.perf_counter() - started
+            log.info(
+                "snapshot written to %s: fragment versions %s, in %.2f s", path, versions, seconds
+            )
         finally:
             with held:  # waiters woken first: nothing after may keep them waiting
                 self.snapshot_running = False

@@ -1,19 +1,23 @@
 """A server that cannot start says why in one error and leaves nothing running: a port in
 use (gRPC would otherwise share it through SO_REUSEPORT and take half its connections), a
-health port on the service's, a port file it cannot write."""
+health port on the service's, a port file it cannot write. One that stops says what a
+restart resumes from."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from common.config import build_config
 from common.rpc import create_health_server, create_server
 from server.config import ServerConfig
 from server.main import AggregatorService
+from server.state.params import ParamSpec
 from tests.support.processes import REPO
 
 
@@ -73,3 +77,40 @@ def test_the_daemon_reports_a_bind_failure_in_one_line() -> None:
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert f"error: could not bind the health server to 127.0.0.1:{port}" in result.stderr
+
+
+def stop_lines(caplog: pytest.LogCaptureFixture, state_dir: str) -> list[str]:
+    """The log lines of a server on `state_dir` that a learner joined, as it stops."""
+    settings = {"listen": "127.0.0.1:0", "insecure": True, "state_dir": state_dir}
+    service = AggregatorService(build_config(ServerConfig, {**settings, "fragments": 2}))
+    service.start()
+    try:
+        specs = [ParamSpec(f"blocks.{i}.w", (4,), "float32") for i in (0, 1)]
+        session = service.aggregator.join("a", specs).session_id
+        service.aggregator.initialize(session, 0, [torch.ones(4)])
+    finally:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            service.stop(grace_s=0)
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_a_stopping_server_logs_the_snapshot_it_wrote_and_where_the_state_is(
+    tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state_dir = tmp_path / "state"
+    lines = stop_lines(caplog, str(state_dir))
+    snapshot = next(line for line in lines if line.startswith("snapshot written to "))
+    assert snapshot.startswith(f"snapshot written to {state_dir}/snapshot-")
+    assert "fragment versions {0: 0, 1: -1}, in " in snapshot and snapshot.endswith(" s")
+    assert lines[-1] == f"stopped; the state is in {state_dir}"
+
+
+def test_a_stopping_server_without_a_state_dir_says_nothing_was_saved(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lines = stop_lines(caplog, "")
+    assert not any(line.startswith("snapshot written") for line in lines)
+    assert lines[-1] == (
+        "stopped; no state_dir, so nothing was saved: a restart starts from the first join"
+    )

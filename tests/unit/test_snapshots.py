@@ -292,3 +292,17 @@ def test_initial_values_wait_for_a_snapshot_being_written(tmp_path, monkeypatch)
     kill(agg)
     restarted, _ = start(tmp_path, snapshot_every_versions=2)
     assert [restarted.version(f) for f in (0, 1)] == [2, 0]
+
+
+def test_each_snapshot_is_one_line_with_its_path_versions_and_seconds(tmp_path, caplog) -> None:
+    agg, session = start(tmp_path / "state")
+    with caplog.at_level(logging.INFO, "server.state.store"):
+        rounds(agg, session, range(2), initialize=True)
+        agg.checkpoint()  # as at shutdown
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("snapshot")]
+    last = lines[-1].split(", in ")
+    assert last[0] == (
+        f"snapshot written to {tmp_path / 'state'}/snapshot-{len(lines):06d}: "
+        "fragment versions {0: 2, 1: 2}"
+    )
+    assert last[1].endswith(" s") and float(last[1][:-2]) >= 0
