@@ -74,6 +74,7 @@ from server.rpc.limits import InFlightLimit, RateLimit, StreamDeadlines
 from server.rpc.metrics import ServerMetrics
 from server.rpc.receive import ChunkViews, PushBudget
 from server.rpc.servicer import AggregatorServicer
+from server.status_report import status_pages
 
 log = logging.getLogger("diloco.server")
 
@@ -308,12 +309,16 @@ def main() -> None:
     try:
         service = AggregatorService(config)
         if observability.metrics_listen:
-            port = serve_metrics(
-                observability.metrics_listen,
-                service.metrics.registry,
-                observability.metrics_port_file,
+            bound: list[int] = []  # the status page links with the port once it is bound
+            pages = {}
+            if observability.status_page:
+                traffic = service.servicer.traffic
+                pages = status_pages(service.aggregator, traffic, config, lambda: bound[0])
+            registry, port_file = service.metrics.registry, observability.metrics_port_file
+            bound.append(serve_metrics(observability.metrics_listen, registry, port_file, pages))
+            logging.getLogger("diloco.server").info(
+                "metrics on port %d at /metrics%s", bound[0], ", status at /status" * bool(pages)
             )
-            logging.getLogger("diloco.server").info("metrics on port %d at /metrics", port)
         if service.auth is not None:  # before start(): a SIGHUP must never find the default
             signal.signal(signal.SIGHUP, lambda *_: reload_tokens(service))
         service.start()
