@@ -28,6 +28,7 @@ from common.codec.tensor import CODECS, is_sparse
 from common.config import build_config
 from common.fragments import LAYOUTS
 from common.metrics_http import check_listen
+from common.tracing import EXPORTERS
 from server.learners import MembershipConfig
 from server.rounds.outer import OuterConfig, snapshot_settings
 from server.rounds.policy import RoundsConfig
@@ -151,7 +152,7 @@ class StreamingConfig:
 
 @dataclass(kw_only=True)
 class ObservabilityConfig:
-    """Logging and the Prometheus endpoint."""
+    """Logging, the Prometheus endpoint and its status page, OpenTelemetry traces."""
 
     log_level: str = "INFO"
     """Python logging level."""
@@ -165,9 +166,27 @@ class ObservabilityConfig:
     shard_status_urls: str = ""
     """Every shard's status page URL, in index order, comma-separated: the page's links to
     the other shards. Empty: each shard's host from shard_addresses with this metrics port."""
+    trace_exporter: str = ""
+    """Where OpenTelemetry spans of each push and round close go: "console" (stdout, to try
+    it), "otlp" (a collector at trace_endpoint) or empty: off. Needs the `otel` extra."""
+    trace_endpoint: str = ""
+    """The OTLP collector's gRPC endpoint for trace_exporter otlp, e.g. http://127.0.0.1:4317
+    (http: plaintext, https: TLS)."""
 
     def __post_init__(self) -> None:
         check_listen("metrics_listen", self.metrics_listen)
+        if self.trace_exporter not in ("", *EXPORTERS):
+            raise ValueError(
+                f"trace_exporter must be empty (off) or one of {', '.join(EXPORTERS)}, "
+                f"got {self.trace_exporter!r}"
+            )
+        if self.trace_exporter == "otlp" and not self.trace_endpoint.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                "trace_exporter otlp needs trace_endpoint, the collector's http(s):// URL, "
+                f"got {self.trace_endpoint!r}"
+            )
         for url in self.status_urls():
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"shard_status_urls must be http(s) URLs, got {url!r}")

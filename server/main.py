@@ -66,6 +66,7 @@ from common.rpc import (
     new_health,
     set_serving,
 )
+from common.tracing import init_tracing
 from server.aggregator import Aggregator
 from server.config import ServerConfig
 from server.rpc.auth import CertificateIdentity, TokenAuth
@@ -307,6 +308,9 @@ def main() -> None:
         signal.signal(signum, lambda *_: stop.set())
     start_malloc_trimmer(stop)  # bounded RSS under many learners
     try:
+        if observability.trace_exporter:  # first: a missing package stops the server at once
+            exporter, endpoint = observability.trace_exporter, observability.trace_endpoint
+            init_tracing(exporter, endpoint, "diloco-server")
         service = AggregatorService(config)
         if observability.metrics_listen:
             bound: list[int] = []  # the status page links with the port once it is bound

@@ -33,12 +33,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import cast
 
 import torch
 
 from common.errors import AlreadyExists, FailedPrecondition
+from common.tracing import span
 from server.learners import Learner, median_step_time_s
 from server.rounds.admission import ROBUST_MERGES, WEIGHTINGS, check_untrusted
 from server.rounds.outer import DelayedNesterov, NesterovOuter, OuterConfig
@@ -218,11 +219,10 @@ class RoundPolicy:
     def close(
         self, fragment: FragmentState, live: Collection[Learner], record: Record
     ) -> RoundSummary | None:
-        """Close the fragment's round if this mode's rule says so: its mean is logged
-        (`record`, durable when it returns), then one outer step makes the next version.
-        A round every live learner was refused from ends with no step; None when no step
-        was taken. If the record fails, the round's pushes are dropped (as a crash drops
-        them) and the error raised: the version stays."""
+        """Close the fragment's round if this mode's rule says so: its mean is logged (`record`,
+        durable when it returns), then one outer step makes the next version. A round every live
+        learner was refused from ends with no step (None: no step taken). If the record fails, the
+        round's pushes are dropped (as in a crash) and the error raised: the version stays."""
         rnd = fragment.round
         if rnd.delta_sum is None and rnd.excused and _everyone(rnd, live):
             log.info(
@@ -235,7 +235,8 @@ class RoundPolicy:
         if not self.ready(rnd, live):
             return None
         started = time.perf_counter()
-        with fragment.state_lock:  # a snapshot copies the fragment before or after the step
+        closing = span("diloco.round_close", fragment=fragment.fragment_id)
+        with closing as traced, fragment.state_lock:  # a snapshot copies before or after the step
             setting = self.before_close(fragment, len(live))
             rnd.cap_shares(self.config.max_share(len(rnd.contributors)))
             mean = rnd.mean(self.expected_weight(rnd, live), self.config.trim_fraction)
@@ -248,7 +249,12 @@ class RoundPolicy:
             fragment.apply_mean(mean)
             step_s = mean_s + time.perf_counter() - started
             fragment.closed_at = self._clock()
-        return RoundSummary(fragment.version, rnd.pushes, rnd.tokens, step_s, rnd.largest_share)
+            summary = RoundSummary(
+                fragment.version, rnd.pushes, rnd.tokens, step_s, rnd.largest_share
+            )
+            if traced.is_recording():
+                traced.set_attributes(asdict(summary))
+        return summary
 
     def before_close(self, fragment: FragmentState, live: int) -> int:
         """Set the outer optimizer up for the step about to be taken with `live` learners;

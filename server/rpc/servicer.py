@@ -24,6 +24,7 @@ from common.errors import DilocoError, InvalidArgument, PermissionDenied, Resour
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from common.generated.diloco.v1 import aggregator_pb2_grpc as pb_grpc
 from common.rpc import RETRY_AFTER_HEADER
+from common.tracing import span
 from common.traffic import NO_FRAGMENT, Traffic
 from server.aggregator import Aggregator
 from server.rounds.ingest import IngestSlots
@@ -154,11 +155,25 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_abort_on_domain_error
     def PushFragment(self, request_iterator: Iterator[pb.PushFragmentRequest], context):
+        with span("diloco.push") as traced:
+            try:
+                response = self._push(request_iterator, context, traced)
+            except DilocoError as err:
+                traced.set_attribute("result", err.code.name)  # as a client sees it
+                raise
+            traced.set_attribute("result", "slice_held" if response.slices_pending else "accepted")
+            return response
+
+    def _push(self, request_iterator, context, traced) -> pb.PushFragmentResponse:
         first = next(request_iterator, None)  # chunks are views (receive.py ChunkViews)
         if not isinstance(first, pb.PushFragmentRequest) or not first.HasField("header"):
             raise InvalidArgument("a push must start with a header message")
         header = first.header
         fid = header.fragment_id
+        if traced.is_recording():  # a refused push is traced with who sent what, too
+            who = self.aggregator.learner_of(header.session_id)
+            size, base = header.payload_bytes, header.base_version
+            traced.set_attributes(dict(learner=who, fragment=fid, base_version=base, bytes=size))
         self._check_caller(session_id=header.session_id)
         self.traffic.count(self._traffic_key(fid), received=first.ByteSize())
         agg = self.aggregator
