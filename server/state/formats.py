@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from common.atomic import atomic_write
 from common.checksum import crc32
 from common.errors import NotFound
-from common.tensor_file import TensorFileImage
+from common.tensor_file import TensorFileImage, write_parts
 from server.state.params import ParamSpec
 
 log = logging.getLogger(__name__)
@@ -82,32 +83,32 @@ def _join(value: Any, tensor: Callable[[str], torch.Tensor], blob: Callable[[lis
     return value
 
 
-def prepare_fragment(state: dict) -> tuple[Any, TensorFileImage, list[bytes]]:
+def prepare_fragment(state: dict, buffer=None) -> tuple[Any, TensorFileImage, list[bytes]]:
     """One fragment's state (FragmentState.state_dict) ready to write: its JSON fields, its
     tensors copied into their file's image (under the caller's lock: the copy is the only
-    one), and its update chains (bytes: immutable, so not copied)."""
+    one; `buffer`: an earlier image's), and its update chains (bytes: immutable, not copied)."""
     tensors: dict[str, torch.Tensor] = {}
     blobs: list[bytes] = []
     fields = _split(state, tensors, blobs)
-    return fields, TensorFileImage(tensors), blobs
+    return fields, TensorFileImage(tensors, buffer), blobs
 
 
-def write_fragment(directory: Path, index: int, prepared: tuple) -> dict:
-    """Write a prepared fragment into `directory` (fsynced); returns its manifest entry."""
+def write_fragment(directory: Path, index: int, prepared: tuple, keep=None) -> dict:
+    """Write a prepared fragment into `directory` (fsynced); returns its manifest entry.
+    `keep` takes the image's buffer for the next fragment's (TensorFileImage.close)."""
     fields, image, blobs = prepared
     tensor_file = directory / f"fragment-{index}.safetensors"
     try:
         image.write(tensor_file)
         specs = image.specs()  # dtype, shape and CRC32 of each tensor
     finally:
-        image.close()
+        image.close(keep)
     blob_file = directory / f"fragment-{index}.updates"
-    offsets = []
-    with open(blob_file, "wb") as f:
-        for data in blobs:
-            offsets.append([f.tell(), len(data), crc32(data)])
-            f.write(data)
-    fsync_path(blob_file)
+    ends = list(itertools.accumulate(len(data) for data in blobs))
+    offsets = [
+        [end - len(data), len(data), crc32(data)] for end, data in zip(ends, blobs, strict=True)
+    ]
+    write_parts(blob_file, blobs)  # O_DIRECT too: a buffered write + fsync is 2-7x slower
     fields = _join(fields, lambda name: {"__tensor__": name}, lambda i: {"__bytes__": offsets[i]})
     return {
         "fields": fields,

@@ -208,19 +208,21 @@ class Persistence:
         (else the caller holds the Aggregator's lock throughout)."""
         held = self._lock if off_lock else contextlib.nullcontext()
         started, entries, failure, versions = time.perf_counter(), [], None, {}
+        spare: list = []  # written images' buffers, for the next copies (already mapped)
         try:
             # Each fragment's copy (its file's image) under its state lock, its write off it,
-            # while the next one is copied: at most two copies at a time.
+            # while the next one is copied: at most two copies (two buffers) at a time.
             with ThreadPoolExecutor(1, thread_name_prefix="snapshot-write") as writer:
                 writing: Future | None = None
                 for fragment in fragments:
                     with fragment.state_lock if off_lock else contextlib.nullcontext():
-                        prepared = prepare_fragment(fragment.state_dict())
+                        buffer = spare.pop() if spare else None
+                        prepared = prepare_fragment(fragment.state_dict(), buffer)
                         versions[fragment.fragment_id] = fragment.version
                     if writing is not None:
                         entries.append(writing.result())
                     fid = fragment.fragment_id
-                    writing = writer.submit(write_fragment, self._tmp, fid, prepared)
+                    writing = writer.submit(write_fragment, self._tmp, fid, prepared, spare.append)
                     del prepared
                 if writing is not None:
                     entries.append(writing.result())
@@ -236,6 +238,8 @@ class Persistence:
                 "snapshot written to %s: fragment versions %s, in %.2f s", path, versions, seconds
             )
         finally:
+            for buffer in spare:
+                buffer.close()
             with held:  # waiters woken first: nothing after may keep them waiting
                 self.snapshot_running = False
                 self._lock.notify_all()
