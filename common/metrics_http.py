@@ -27,6 +27,9 @@ Page = Callable[[], tuple[str, bytes]]
 
 log = logging.getLogger(__name__)
 
+MAX_REQUESTS = 16  # requests served at once, per server (Prometheus and a few browsers)
+REQUEST_TIMEOUT_S = 10.0  # a connection silent this long is closed
+
 
 def serve_metrics(
     listen: str, registry: CollectorRegistry, port_file: str = "", pages: Mapping[str, Page] = {}
@@ -51,7 +54,8 @@ def serve_metrics(
         return [body]
 
     family = socket.getaddrinfo(host, None)[0][0]
-    server_class = type("Server", (_ThreadingServer,), {"address_family": family})
+    slots = threading.BoundedSemaphore(MAX_REQUESTS)
+    server_class = type("Server", (_ThreadingServer,), {"address_family": family, "_slots": slots})
     server = make_server(host, int(port), app, server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     bound = server.server_port
@@ -61,10 +65,33 @@ def serve_metrics(
 
 
 class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    """A thread a request, at most MAX_REQUESTS at once: a connection beyond them is closed
+    at once, so idle or slow clients cannot take the daemon's threads."""
+
     daemon_threads = True  # a slow scraper never keeps the daemon from exiting
+    request_queue_size = 64  # connections the kernel holds until accepted (socketserver: 5)
+    _slots: threading.BoundedSemaphore  # serve_metrics gives each server its own
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went silent or away: its request ends, no traceback on stderr."""
+        log.debug("metrics request from %s failed", client_address, exc_info=True)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_S  # a client that sends nothing lets its thread go
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
         """Not one line per scrape on the daemon's stderr."""
 

@@ -180,6 +180,8 @@ class ObservabilityConfig:
                 f"trace_exporter must be empty (off) or one of {', '.join(EXPORTERS)}, "
                 f"got {self.trace_exporter!r}"
             )
+        if self.trace_endpoint and self.trace_exporter != "otlp":
+            raise ValueError("trace_endpoint is for trace_exporter otlp; set both, or neither")
         if self.trace_exporter == "otlp" and not self.trace_endpoint.startswith(
             ("http://", "https://")
         ):
@@ -312,9 +314,10 @@ def check_aggregator_sections(config: AggregatorSections) -> None:
             "its own round"
         )
     if config.outer.sparse_mean == "senders" and config.rounds.robust_merge == "trimmed-mean":
+        merge = "untrusted_learners" if config.rounds.untrusted_learners else "robust_merge"
         raise ValueError(
-            "sparse_mean senders takes each value's mean over its senders; robust_merge "
-            "trimmed-mean replaces the mean: choose one"
+            f"sparse_mean senders takes each value's mean over its senders; {merge} "
+            "merges with the trimmed mean instead: choose one"
         )
     if config.outer.outer_momentum_warmup_rounds and config.rounds.mode == "async":
         raise ValueError(

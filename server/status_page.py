@@ -1,4 +1,4 @@
-"""The status page: server_report.py's dict as one self-contained HTML page.
+"""The status page: status_report.py's dict as one self-contained HTML page.
 
     html = render_status(shard_report(...))   # served at /status on the metrics port
 
@@ -43,7 +43,15 @@ def render_status(report: dict[str, Any]) -> str:
         ),
         "<h2>Learners</h2>",
         _table(
-            ("learner", "live", "last push", "staleness", "tokens", "weight share", "refused"),
+            (
+                "learner",
+                "live",
+                "last push",
+                "staleness",
+                "tokens",
+                "last weight share",
+                "refused by guards",
+            ),
             [_learner_cells(x) for x in report["learners"]],
             "learners",
         ),

@@ -43,7 +43,7 @@ from common.tracing import span
 from server.learners import Learner, median_step_time_s
 from server.rounds.admission import ROBUST_MERGES, WEIGHTINGS, check_untrusted
 from server.rounds.outer import DelayedNesterov, NesterovOuter, OuterConfig
-from server.rounds.round import Round
+from server.rounds.round import Round, twice_fair_share
 from server.state.fragment import FragmentState
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class RoundsConfig:
 
     def max_share(self, contributors: int) -> float:
         """The largest share of a round's weight one learner may hold (0: unbounded)."""
-        return min(1.0, 2 / contributors) if self.untrusted_learners and contributors else 0.0
+        return twice_fair_share(contributors) if self.untrusted_learners else 0.0
 
 
 @dataclass(frozen=True)
@@ -311,8 +311,9 @@ class Quorum(RoundPolicy):
         return sum((last | rnd.weights).get(x.learner_id, 0.0) for x in live)
 
     def _closes(self, rnd: Round, live: Collection[Learner]) -> bool:
-        if _everyone(rnd, live):
-            return True
+        if _everyone(rnd, live):  # untrusted_learners: never a round too small to trim
+            untrusted = self.config.untrusted_learners
+            return not untrusted or len(rnd.contributors) >= self.config.min_contributors
         return rnd.quorum_since is not None and self._grace_left_s(rnd, live) <= 0
 
     def _grace_left_s(self, rnd: Round, live: Collection[Learner]) -> float:

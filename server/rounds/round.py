@@ -309,8 +309,24 @@ def share_capped(weights: Sequence[float], max_share: float) -> list[float]:
         else:
             level = max_share * uncapped / (1 - max_share * capped)
         if level >= ordered[-capped - 1]:
-            return [min(w, level) for w in weights]
+            return _at_most(weights, level, max_share)
     return [min(w, ordered[0]) for w in weights]  # equal weights: share 1/n each
+
+
+def _at_most(weights: Sequence[float], level: float, max_share: float) -> list[float]:
+    """`weights` cut to `level`, lowered by the ulps its rounding may have put it above the
+    exact level, so that the largest share is at most `max_share` in float arithmetic too."""
+    capped = [min(w, level) for w in weights]
+    while max(capped) > max_share * sum(capped):
+        level = math.nextafter(level, 0.0)
+        capped = [min(w, level) for w in weights]
+    return capped
+
+
+def twice_fair_share(contributors: int) -> float:
+    """2/K of a round of K pushes (at most all of it): what untrusted_learners lets one
+    learner hold, and what the weight-share alert compares each round's largest share with."""
+    return min(1.0, 2 / max(1, contributors))
 
 
 def trimmed_mean_into(

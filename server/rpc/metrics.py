@@ -24,6 +24,7 @@ from common.traffic import NO_FRAGMENT
 from server.aggregator import Aggregator, AggregatorEvents
 from server.rounds.admission import staleness_discount
 from server.rounds.policy import RoundSummary
+from server.rounds.round import twice_fair_share
 
 if TYPE_CHECKING:  # the servicer counts into this module's counters
     from server.rpc.auth import TokenAuth
@@ -139,7 +140,7 @@ class ServerMetrics(AggregatorEvents):
         self.outer_step.observe(summary.outer_step_s)
         fragment = str(fragment_id)
         self.largest_share.labels(fragment).set(summary.largest_share)
-        self.share_bound.labels(fragment).set(min(1.0, 2 / max(1, summary.contributors)))
+        self.share_bound.labels(fragment).set(twice_fair_share(summary.contributors))
 
     def influence_bounded(self, action: str) -> None:
         self.bounded.labels(action).inc()

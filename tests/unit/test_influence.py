@@ -167,12 +167,35 @@ def test_untrusted_learners_trims_and_caps_one_liar_in_a_round_of_four() -> None
 
 
 def test_the_share_gauge_reports_an_uncapped_learner_above_its_bound() -> None:
-    agg, (a, b, c), get = make(3, mode="quorum", min_contributors=3, weighting="tokens")
+    settings = dict(mode="quorum", min_contributors=3, weighting="tokens", max_weight_ratio=0.0)
+    agg, (a, b, c), get = make(3, **settings)
     push(agg, a, 0, 1.0, tokens=100)
     push(agg, b, 0, 1.0, tokens=100)
-    push(agg, c, 0, 1.0, tokens=400)  # 400 / 600 of the weight, the cap (4 x 100) allows it
-    assert get("diloco_server_round_max_weight_share", {"fragment": "0"}) == pytest.approx(2 / 3)
+    push(agg, c, 0, 1.0, tokens=700)  # 700 / 900 of the weight (the weight cap off)
+    assert get("diloco_server_round_max_weight_share", {"fragment": "0"}) == pytest.approx(7 / 9)
     assert get("diloco_server_weight_share_bound", {"fragment": "0"}) == pytest.approx(2 / 3)
+
+
+def test_a_capped_share_never_rounds_above_its_bound() -> None:
+    # Weights whose exact level rounds up by an ulp: the share must still not exceed 2/K.
+    weights = [964**2 / 7, 494**2 / 7, 4104**2 / 7]
+    capped = share_capped(weights, 2 / 3)
+    assert max(capped) / sum(capped) <= 2 / 3
+    agg, sessions, get = make(3, mode="quorum", min_contributors=3, untrusted_learners=True)
+    for session, tokens in zip(sessions, (964, 494, 4104), strict=True):
+        push(agg, session, 0, 1.0, tokens=tokens, steps=7)
+    share = get("diloco_server_round_max_weight_share", {"fragment": "0"})
+    assert share <= get("diloco_server_weight_share_bound", {"fragment": "0"}) == 2 / 3
+
+
+def test_untrusted_quorum_rounds_wait_for_min_contributors_even_when_everyone_pushed() -> None:
+    agg, (a, b), _ = make(2, mode="quorum", min_contributors=3, untrusted_learners=True)
+    push(agg, a, 0, 1.0)
+    push(agg, b, 0, -50.0)  # both live learners pushed: not enough to trim a liar away
+    assert agg.version(0) == 0
+    c = agg.join("l2", SPECS).session_id
+    push(agg, c, 0, 2.0)  # the third push: the trimmed mean of (1, −50, 2) is 1
+    assert agg.version(0) == 1 and value(agg) == pytest.approx(-1.0)
 
 
 @pytest.mark.parametrize(

@@ -65,11 +65,11 @@ def test_waiting_for_a_server_that_never_answers_logs_each_check_with_its_backof
     shards.close()
     shards.clients = [NeverReady()]
     with caplog.at_level(logging.WARNING, "diloco.retry"), pytest.raises(grpc.FutureTimeoutError):
-        shards.wait_ready(0.5)
+        shards.wait_ready(1.5)  # the first check is due at 0.05 s: room for a busy machine
     lines = retry_lines(caplog)
     # A busy machine may skip a check, never add one: at most one per 0.1 s after the first.
-    assert 1 <= len(lines) <= 5
-    pattern = r"connect to 127\.0\.0\.1:1: no connection after 0 s of 0\.5 \(attempt (\d)\); "
+    assert 1 <= len(lines) <= 15
+    pattern = r"connect to 127\.0\.0\.1:1: no connection after [01] s of 1\.5 \(attempt (\d+)\); "
     pattern += r"trying again in 0\.\d s"
     attempts = [int(re.fullmatch(pattern, line).group(1)) for line in lines]
     assert attempts == list(range(1, len(lines) + 1))

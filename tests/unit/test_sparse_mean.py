@@ -115,8 +115,12 @@ def test_dense_pushes_weigh_as_one_number_and_sparse_ones_per_value() -> None:
 def test_the_setting_is_checked() -> None:
     with pytest.raises(ValueError, match="sparse_mean must be one of learners, senders"):
         aggregator_config(sparse_mean="median")
-    with pytest.raises(ValueError, match="robust_merge trimmed-mean replaces the mean"):
+    with pytest.raises(ValueError, match="robust_merge merges with the trimmed mean instead"):
         aggregator_config(sparse_mean="senders", robust_merge="trimmed-mean")
+    with pytest.raises(ValueError, match="untrusted_learners merges with the trimmed mean"):
+        aggregator_config(
+            sparse_mean="senders", untrusted_learners=True, mode="quorum", min_contributors=3
+        )
     with pytest.raises(ValueError, match="sparse_mean senders is for sync and quorum modes"):
         aggregator_config(sparse_mean="senders", mode="async", outer_momentum_warmup_rounds=0)
     assert aggregator_config().outer.sparse_mean == "learners"

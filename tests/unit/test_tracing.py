@@ -96,6 +96,7 @@ def test_a_push_is_one_span_with_who_sent_what_and_the_result(spans) -> None:
     [
         ("jaeger", "", "trace_exporter must be empty (off) or one of console, otlp, got 'jaeger'"),
         ("otlp", "", "trace_exporter otlp needs trace_endpoint"),
+        ("console", "http://127.0.0.1:4317", "trace_endpoint is for trace_exporter otlp"),
         ("otlp", "127.0.0.1:4317", "the collector's http(s):// URL"),
     ],
 )
