@@ -30,6 +30,7 @@ import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy
 import torch
 
 from common.checksum import crc32
@@ -124,11 +125,17 @@ def write_parts(path: Path, parts: Sequence[bytes]) -> None:
     size = sum(len(part) for part in parts)
     buffer = mmap.mmap(-1, max(PAGE, math.ceil(size / PAGE) * PAGE))
     try:
-        with memoryview(buffer) as view:
-            position = 0
+        # numpy's copy lets the GIL go (a memoryview's held it 0.49 s for 200 MB: a serving
+        # shard's heartbeats waited that long); the views go before the buffer closes.
+        target, position = numpy.frombuffer(buffer, dtype=numpy.uint8), 0
+        try:
             for part in parts:
-                view[position : position + len(part)] = part
-                position += len(part)
+                end = position + len(part)
+                numpy.copyto(target[position:end], numpy.frombuffer(part, numpy.uint8))
+                position = end
+        finally:
+            del target
+        with memoryview(buffer) as view:
             write_pages(path, view, size)
     finally:
         buffer.close()
