@@ -15,7 +15,7 @@ import torch
 
 from bench.scale_fleet import FRAGMENTS, TENSORS, Model
 from bench.snapshot_probes import POLL_EVERY_S, dir_bytes
-from common.tensor_file import O_DIRECT, PAGE
+from common.direct_io import O_DIRECT, PAGE
 from server.state.formats import prepare_fragment, write_fragment
 
 DISK_BLOCK = 64 << 20

@@ -20,26 +20,18 @@ is padded with spaces (as the format allows) so that the data starts on a page b
 
 from __future__ import annotations
 
-import errno
 import json
-import logging
 import math
 import mmap
-import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy
 import torch
 
 from common.checksum import crc32
+from common.direct_io import PAGE, write_pages
 
-log = logging.getLogger(__name__)
-
-PAGE = mmap.PAGESIZE
-O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every write is buffered
-WRITE_BLOCK = 8 << 20  # bytes a write() call hands over
 _DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
@@ -52,7 +44,6 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_direct_refused: set[int] = set()  # the filesystems (st_dev) that refused O_DIRECT, said once
 
 
 class TensorFileImage:
@@ -117,59 +108,3 @@ class TensorFileImage:
             keep(self._buffer)
         else:
             self._buffer.close()
-
-
-def write_parts(path: Path, parts: Sequence[bytes]) -> None:
-    """Write `parts` one after another as the file at `path`, as an image is written: copied
-    into one page-aligned buffer, then O_DIRECT where the filesystem takes it; fsync."""
-    size = sum(len(part) for part in parts)
-    buffer = mmap.mmap(-1, max(PAGE, math.ceil(size / PAGE) * PAGE))
-    try:
-        # numpy's copy lets the GIL go (a memoryview's held it 0.49 s for 200 MB: a serving
-        # shard's heartbeats waited that long); the views go before the buffer closes.
-        target, position = numpy.frombuffer(buffer, dtype=numpy.uint8), 0
-        try:
-            for part in parts:
-                end = position + len(part)
-                numpy.copyto(target[position:end], numpy.frombuffer(part, numpy.uint8))
-                position = end
-        finally:
-            del target
-        with memoryview(buffer) as view:
-            write_pages(path, view, size)
-    finally:
-        buffer.close()
-
-
-def write_pages(path: Path, view: memoryview, size: int) -> None:
-    """Write the first `size` bytes of the page-aligned `view` (whole pages) as the file at
-    `path`, with O_DIRECT where its filesystem takes it (else through the page cache); fsync."""
-    device = os.stat(path.parent).st_dev
-    if O_DIRECT and device not in _direct_refused:
-        try:
-            return _write(path, view, size, O_DIRECT)
-        except OSError as err:  # at open, or at a write (some FUSE and overlay mounts)
-            if err.errno != errno.EINVAL:
-                raise
-            _direct_refused.add(device)
-            log.info("%s takes no O_DIRECT writes: snapshots go through the page cache",
-                     path.parent)  # fmt: skip
-    _write(path, view, size, 0)
-
-
-def _write(path: Path, view: memoryview, size: int, direct: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o644)
-    # Whole pages from an aligned buffer (O_DIRECT), then cut to the file's size. The view is
-    # released even on an error, whose traceback would keep it (and the buffer).
-    end, written = math.ceil(size / PAGE) * PAGE, 0
-    try:
-        with view[:end] as pages:
-            while written < end:
-                step = os.write(fd, pages[written : min(end, written + WRITE_BLOCK)])
-                if step <= 0:
-                    raise OSError(errno.EIO, f"wrote nothing to {path}")
-                written += step
-        os.ftruncate(fd, size)
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -16,7 +16,6 @@ dir runs no code. Tensors are written from their own memory (no copy).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import itertools
 import json
@@ -35,8 +34,9 @@ from safetensors import SafetensorError, safe_open
 
 from common.atomic import atomic_write
 from common.checksum import crc32
+from common.direct_io import DirectAppend, write_parts
 from common.errors import NotFound
-from common.tensor_file import TensorFileImage, write_parts
+from common.tensor_file import TensorFileImage
 from server.state.params import ParamSpec
 
 log = logging.getLogger(__name__)
@@ -229,29 +229,11 @@ class LogRecord:
     admission: dict | None = None  # Admission.durable() as the round closed (JSON)
 
 
-def append_record(f: BinaryIO, record: LogRecord) -> None:
-    """Append `record` to the unbuffered log file `f` and fsync it; the tensors' bytes are
-    written from their own memory. On an error the file is cut back to where it was: a
-    record that did not make it must not stay, torn or whole (its round was dropped)."""
-    start = f.seek(0, os.SEEK_END)
-    try:
-        for piece in _record_pieces(record):
-            _write_all(f, piece)
-        os.fsync(f.fileno())
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.ftruncate(f.fileno(), start)
-            os.fsync(f.fileno())
-        raise
-
-
-def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
-    """Write all of `data` to the unbuffered file `f` (a raw write may take part of it)."""
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        if not (written := f.write(view)):
-            raise OSError(f"wrote nothing to {f.name}")
-        view = view[written:]
+def append_record(log_file: DirectAppend, record: LogRecord) -> None:
+    """Append `record` to the log and fsync it; the tensors' bytes are written from their
+    own memory. On an error the file is cut back to where it was: a record that did not make
+    it must not stay, torn or whole (its round was dropped)."""
+    log_file.append(_record_pieces(record))
 
 
 def read_log(path: Path, cut_tail: bool) -> Iterator[LogRecord]:

@@ -37,10 +37,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING
 
 import torch
 
+from common.direct_io import DirectAppend
 from common.errors import Unavailable
 from server.state.formats import (
     LogRecord,
@@ -296,7 +297,7 @@ class StateStore:
                 shutil.rmtree(stale)
         numbers = [n for _, n in self._numbered()]
         self.sequence = max(numbers, default=0)  # the log appends go to
-        self._log: BinaryIO | None = None
+        self._log: DirectAppend | None = None
 
     def _numbered(self) -> list[tuple[str, int]]:
         found = (_NUMBERED.match(p.name) for p in self.dir.iterdir()) if self.dir.is_dir() else ()
@@ -365,7 +366,7 @@ class StateStore:
     def append(self, record: LogRecord) -> None:
         """Append one record, fsynced when this returns (else cut back off: formats.py)."""
         if self._log is None:
-            self._log = open(self.log_path, "ab", buffering=0)  # nothing left in a buffer
+            self._log = DirectAppend(self.log_path)
         append_record(self._log, record)
 
     def close(self) -> None:  # the next append reopens the log

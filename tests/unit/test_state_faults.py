@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 
+import common.direct_io as direct_io
 import server.state.formats as formats
 from common.tensor_file import TensorFileImage
 from server.aggregator import Aggregator
@@ -93,20 +94,19 @@ def test_a_disk_that_fills_half_way_through_a_record_leaves_no_torn_record(
     agg.initialize(session, 0, [torch.ones(64, 33)])
     push(agg, session, 1)
     served, logged = agg.params(0), log_bytes(tmp_path)
-    real = formats._write_all
+    real = direct_io.pwrite_all
 
-    def half_then_full(f, data) -> None:
-        view = memoryview(data).cast("B")
+    def half_then_full(fd, view, offset, path) -> None:
         if view.nbytes > 1000:  # the mean's bytes: half of them land, then the disk is full
-            real(f, view[: view.nbytes // 2])
+            real(fd, view[: view.nbytes // 2], offset, path)
             raise OSError(errno.ENOSPC, "No space left on device")
-        real(f, data)
+        real(fd, view, offset, path)
 
-    monkeypatch.setattr(formats, "_write_all", half_then_full)
+    monkeypatch.setattr(direct_io, "pwrite_all", half_then_full)
     with pytest.raises(StateDirFailed, match="No space left on device"):
         push(agg, session, 2)
     assert log_bytes(tmp_path) == logged
-    monkeypatch.setattr(formats, "_write_all", real)  # space is back
+    monkeypatch.setattr(direct_io, "pwrite_all", real)  # space is back
     agg.checkpoint()  # the server stops (no snapshot of a failed dir)
     restarted, _ = start(tmp_path)
     assert restarted.version(0) == 1 and torch.equal(restarted.params(0)[0], served[0])

@@ -5,7 +5,6 @@ O_DIRECT gets the same bytes through the page cache, said once."""
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 
@@ -13,9 +12,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import common.tensor_file as tensor_file
+import common.direct_io as direct_io
 from common.checksum import crc32
-from common.tensor_file import PAGE, TensorFileImage
+from common.direct_io import PAGE
+from common.tensor_file import TensorFileImage
+from tests.support.direct_io_faults import refuse_at_open, refuse_at_write
 
 TENSORS = {
     "params": torch.randn(33, 17),
@@ -68,44 +69,28 @@ def test_the_copy_is_taken_when_the_image_is_built(tmp_path) -> None:
         assert torch.equal(f.get_tensor("t"), torch.zeros(1000))
 
 
-@pytest.mark.skipif(not tensor_file.O_DIRECT, reason="O_DIRECT is Linux's")
+@pytest.mark.skipif(not direct_io.O_DIRECT, reason="O_DIRECT is Linux's")
 def test_a_filesystem_without_o_direct_gets_the_same_bytes(tmp_path, monkeypatch, caplog) -> None:
     direct = tmp_path / "direct.safetensors"
     written(direct, TENSORS)
-    real_open = os.open
-
-    def no_direct(path, flags, *args):
-        if flags & tensor_file.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(tensor_file.os, "open", no_direct)
-    monkeypatch.setattr(tensor_file, "_direct_refused", set())
-    with caplog.at_level(logging.INFO, logger="common.tensor_file"):
+    refuse_at_open(monkeypatch)
+    with caplog.at_level(logging.INFO, logger="common.direct_io"):
         for name in ("a.safetensors", "b.safetensors"):
             written(tmp_path / name, TENSORS)
     assert (tmp_path / "a.safetensors").read_bytes() == direct.read_bytes()
     assert caplog.text.count("takes no O_DIRECT writes") == 1
 
 
-@pytest.mark.skipif(not tensor_file.O_DIRECT, reason="O_DIRECT is Linux's")
+@pytest.mark.skipif(not direct_io.O_DIRECT, reason="O_DIRECT is Linux's")
 def test_a_filesystem_that_refuses_o_direct_writes_gets_them_buffered(
     tmp_path, monkeypatch
 ) -> None:
     """Some mounts (FUSE, overlays) open with O_DIRECT and refuse the write itself."""
-    real_write = os.write
-
-    def refuses_direct(fd, data):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & tensor_file.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
-
-    monkeypatch.setattr(tensor_file.os, "write", refuses_direct)
-    monkeypatch.setattr(tensor_file, "_direct_refused", set())
+    refuse_at_write(monkeypatch)
     written(tmp_path / "f.safetensors", TENSORS)
     with safe_open(tmp_path / "f.safetensors", framework="pt") as f:
         assert torch.equal(f.get_tensor("params"), TENSORS["params"])
-    assert tensor_file._direct_refused == {os.stat(tmp_path).st_dev}
+    assert direct_io._direct_refused == {os.stat(tmp_path).st_dev}
 
 
 def test_a_dtype_safetensors_cannot_hold_is_refused_by_name() -> None:
@@ -116,17 +101,17 @@ def test_a_dtype_safetensors_cannot_hold_is_refused_by_name() -> None:
 def test_a_write_that_fails_raises_its_own_error_and_frees_the_image(tmp_path, monkeypatch):
     """ENOSPC half way: the caller sees ENOSPC, not a complaint that the image's memory is
     still in use when it is closed on the way out."""
-    monkeypatch.setattr(tensor_file, "WRITE_BLOCK", PAGE)
-    real_write, calls = os.write, []
+    monkeypatch.setattr(direct_io, "WRITE_BLOCK", PAGE)
+    real_write, calls = os.pwrite, []
 
-    def fills_up(fd, data):
+    def fills_up(fd, data, offset):
         calls.append(len(data))
         if len(calls) == 2:
-            del data  # as os.write, which keeps no reference to what it was given
+            del data  # as os.pwrite, which keeps no reference to what it was given
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_write(fd, data)
+        return real_write(fd, data, offset)
 
-    monkeypatch.setattr(tensor_file.os, "write", fills_up)
+    monkeypatch.setattr(direct_io.os, "pwrite", fills_up)
     image = TensorFileImage({"t": torch.randn(4 * PAGE)})
     with pytest.raises(OSError, match="No space left on device"):
         try:
