@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.retry import wait_until
+from server.rounds.policy import RoundSummary
 from tests.support.processes import learner_log
 
 OUTER_STEPS = 4
@@ -240,9 +241,9 @@ def test_quorum_learners_stay_in_phase_at_different_speeds(start_service, start_
     contributors: list[int] = []
     report = agg.events.round_closed
 
-    def record(count: int, round_s: float, outer_step_s: float) -> None:
-        contributors.append(count)
-        report(count, round_s, outer_step_s)
+    def record(fragment_id: int, summary: RoundSummary, round_s: float) -> None:
+        contributors.append(summary.contributors)
+        report(fragment_id, summary, round_s)
 
     agg.events.round_closed = record
     flags = [
