@@ -6,6 +6,7 @@ no key is committed.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -206,7 +207,8 @@ def test_a_client_is_told_when_it_and_the_server_chose_differently_between_tls_a
     start_service, pki: Path
 ) -> None:
     """diloco-status and diloco-learner name the mismatch (learner/connection.py) where gRPC
-    says only UNAVAILABLE."""
+    says only UNAVAILABLE, and the scripts (learner/entry.py) keep gRPC's own SSL lines off
+    the terminal: diloco-status's whole stderr is its one sentence."""
     tls = start_service(tls_cert=str(pki / "server.crt"), tls_key=str(pki / "server.key"))
     plain = start_service()
     assert speaks_tls(f"127.0.0.1:{tls.port}") is True
@@ -216,19 +218,24 @@ def test_a_client_is_told_when_it_and_the_server_chose_differently_between_tls_a
     to_plain += "client uses TLS: set insecure here too, or start the server with tls_cert and"
     ca = ["--tls-ca", str(pki / "ca.crt")]
     learner = [f for f in TINY_LEARNER_FLAGS if f != "--insecure"]
-    for prog, module, port, flags, message in [
-        ("diloco-status", "learner.status", tls.port, ["--insecure"], to_tls),
-        ("diloco-status", "learner.status", plain.port, ca, to_plain),
-        ("diloco-learner", "learner.main", plain.port, [*learner, "--connect-timeout-s", "1", *ca],
+    for prog, script, port, flags, message in [
+        ("diloco-status", "status", tls.port, ["--insecure"], to_tls),
+        ("diloco-status", "status", plain.port, ca, to_plain),
+        ("diloco-learner", "learner", plain.port, [*learner, "--connect-timeout-s", "1", *ca],
          to_plain),
     ]:  # fmt: skip
+        entry = f"import sys; from learner.entry import {script}; sys.exit({script}())"
         result = subprocess.run(
-            [sys.executable, "-m", module, "--server", f"127.0.0.1:{port}", *flags],
+            [sys.executable, "-c", entry, "--server", f"127.0.0.1:{port}", *flags],
             cwd=REPO, capture_output=True, text=True, timeout=120,
+            env={k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"},
         )  # fmt: skip
         assert result.returncode == 1, result.stderr[-2000:]
-        last = result.stderr.strip().splitlines()[-1]
-        assert last.startswith(f"{prog}: error: {message}"), last
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1].startswith(f"{prog}: error: {message}"), lines[-1]
+        assert "ssl_transport_security" not in result.stderr, result.stderr[-2000:]
+        if prog == "diloco-status":
+            assert len(lines) == 1, result.stderr
 
 
 def server_config(**settings) -> ServerConfig:
