@@ -100,6 +100,7 @@ def test_the_json_shows_each_shards_fragments_learners_and_traffic(run: dict) ->
         learners = {x["learner_id"]: x for x in status["learners"]}
         assert set(learners) == {"alice", "bob"} and all(x["live"] for x in learners.values())
         assert all(x["weight_share"] == pytest.approx(0.5) for x in learners.values())
+        assert all(x["tokens"] > 0 for x in learners.values())
         assert status["bytes"]["received"] > 0 and status["bytes"]["sent"] > 0
         assert status["state"]["error"] is None and status["state"]["log"] is not None
         assert [s["status_url"] for s in status["shards"]] == run["urls"]

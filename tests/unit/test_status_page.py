@@ -52,6 +52,7 @@ def test_a_quorum_round_in_its_grace_window_and_each_learners_row() -> None:
     assert report["fragments"][0]["version"] == 1
     rows = {x["learner_id"]: x for x in report["learners"]}
     assert rows["a"]["last_push_version"] == 1 and rows["a"]["staleness"] == 0
+    assert rows["a"]["tokens"] == 1000 and rows["c"]["tokens"] == 0  # its accepted pushes
     assert rows["a"]["weight_share"] == pytest.approx(0.5)  # a and b pushed, alike
     assert rows["c"]["last_push_version"] == -1 and rows["c"]["weight_share"] == 0.0
     json.dumps(report)  # /status.json serves it as it is
