@@ -101,11 +101,15 @@ class DirectAppend:
         device = os.stat(self.path.parent).st_dev
         self._direct = bool(O_DIRECT) and device not in _direct_refused
         self._fd = self._open()
-        self.size = os.fstat(self._fd).st_size
-        with open(self.path, "rb") as f:  # the last partial page, rewritten by the next append
-            f.seek(self.size - self.size % PAGE)
-            self._tail = f.read()
-        self._bounce = mmap.mmap(-1, BOUNCE_BYTES)
+        try:
+            self.size = os.fstat(self._fd).st_size
+            with open(self.path, "rb") as f:  # the last partial page, rewritten next append
+                f.seek(self.size - self.size % PAGE)
+                self._tail = f.read()
+            self._bounce = mmap.mmap(-1, BOUNCE_BYTES)
+        except BaseException:
+            os.close(self._fd)
+            raise
 
     def _open(self) -> int:
         flags = os.O_WRONLY | os.O_CREAT
@@ -133,14 +137,15 @@ class DirectAppend:
                 except OSError as err:  # O_DIRECT taken at open, refused at a write
                     if err.errno != errno.EINVAL:
                         raise
-                    os.close(self._fd)
                     self._plain_from_now()
-                    self._fd = self._open()
+                    plain = self._open()  # before the old one closes: its number stays ours
+                    os.close(self._fd)
+                    self._fd = plain
                     os.ftruncate(self._fd, start)
             if not self._direct:
                 self._append_plain(views)
             os.fsync(self._fd)
-        except OSError:
+        except BaseException:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, start)
                 os.fsync(self._fd)
@@ -156,6 +161,7 @@ class DirectAppend:
         for view in views:
             pwrite_all(self._fd, view, position, self.path)
             position += view.nbytes
+        os.ftruncate(self._fd, position)  # nothing of an older, longer attempt stays after it
 
     def _append_direct(self, views: list[memoryview]) -> None:
         """The views after the kept partial page, through the bounce buffer."""
@@ -175,7 +181,11 @@ class DirectAppend:
         finally:
             del bounce
         if filled:
-            self._write_bounce(offset, math.ceil(filled / PAGE) * PAGE)
+            # The padding is zeros: until the cut below, a crash leaves it in the file, and
+            # there the bounce buffer's older bytes could read as earlier, valid records.
+            padded = math.ceil(filled / PAGE) * PAGE
+            self._bounce[filled:padded] = bytes(padded - filled)
+            self._write_bounce(offset, padded)
         os.ftruncate(self._fd, offset + filled)  # the last page's padding goes
 
     def _write_bounce(self, offset: int, length: int) -> None:
@@ -183,8 +193,11 @@ class DirectAppend:
             pwrite_all(self._fd, pages, offset, self.path)
 
     def close(self) -> None:
-        os.close(self._fd)
-        self._bounce.close()
+        try:
+            os.close(self._fd)
+        finally:
+            with contextlib.suppress(BufferError):  # still viewed: its last view unmaps it
+                self._bounce.close()
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int, path: Path) -> None:

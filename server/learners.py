@@ -84,7 +84,10 @@ class Learner:
     push_bases: dict[int, int] = field(default_factory=dict)  # fragment -> last base version
     last_push: tuple[int, int, float] | None = None  # (fragment, round version, clock time)
     refused: int = 0  # pushes the token-claim check or the norm guard refused
-    pushed_tokens: int = 0  # claimed by its accepted pushes, every session together
+    # Tokens its accepted pushes claimed, by fragment, since the server started: each
+    # fragment's pushes claim the tokens trained since the last, so the largest sum is its
+    # tokens trained.
+    pushed_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class LearnerRow:
     last_push_version: int  # the version its last push went into
     last_push_s_ago: float
     staleness: int  # versions behind the fragment its last push was computed
-    tokens: int  # claimed by its accepted pushes
+    tokens: int  # trained, as its accepted pushes claim them (since the server started)
     weight_share: float  # its last push's weight over the live learners' last weights
     refused: int
 
@@ -106,8 +109,9 @@ def learner_row(x: Learner, now: float, live_weights: float) -> LearnerRow:
     fid, version, at = x.last_push or (-1, -1, now)
     staleness = version - 1 - x.push_bases[fid] if x.last_push and fid in x.push_bases else -1
     share = (x.last_weight or 0.0) / live_weights if x.session_id and live_weights > 0 else 0.0
+    tokens = max(x.pushed_tokens.values(), default=0)
     return LearnerRow(
-        x.learner_id, bool(x.session_id), fid, version, now - at, staleness, x.pushed_tokens, share,
+        x.learner_id, bool(x.session_id), fid, version, now - at, staleness, tokens, share,
         x.refused,
     )  # fmt: skip
 

@@ -48,7 +48,7 @@ def render_status(report: dict[str, Any]) -> str:
                 "live",
                 "last push",
                 "staleness",
-                "tokens pushed",
+                "tokens trained",
                 "last weight share",
                 "refused by guards",
             ),

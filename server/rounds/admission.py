@@ -199,7 +199,7 @@ class Admission:
         ticket = rnd.add(learner.learner_id, body, tokens, weight, discount, keep, add_later, now)
         learner.push_bases[fid] = base_version
         learner.last_weight = weight
-        learner.pushed_tokens += tokens
+        learner.pushed_tokens[fid] = learner.pushed_tokens.get(fid, 0) + tokens
         learner.last_push = (fid, fragment.version + 1, now)
         guard.record(body.norm)
         self._policy.accepted(rnd)

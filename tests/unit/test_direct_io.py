@@ -91,3 +91,29 @@ def test_an_append_that_fails_half_way_leaves_the_file_as_it_was(tmp_path, small
     finally:
         log.close()
     assert path.read_bytes() == b"x" * (PAGE + 10) + b"zzz"
+
+
+class Crash(BaseException):
+    """The process dies here: nothing after it runs."""
+
+
+@pytest.mark.skipif(not direct_io.O_DIRECT, reason="O_DIRECT is Linux's")
+def test_a_crash_before_the_cut_leaves_zeros_after_the_record(tmp_path, monkeypatch) -> None:
+    """The last page goes out whole; until the file is cut to its end, a crash keeps its
+    padding in the file, and a reader must find zeros there, never older bytes that could
+    parse as records."""
+    path = tmp_path / "updates.log"
+    log = DirectAppend(path)
+    log.append([b"x" * (2 * PAGE - 200)])  # the bounce buffer now holds x's past PAGE
+    if not log._direct:
+        pytest.skip("this filesystem takes no O_DIRECT")
+
+    def crash(fd, length) -> None:
+        raise Crash
+
+    monkeypatch.setattr(direct_io.os, "ftruncate", crash)
+    with pytest.raises(Crash):
+        log.append([b"y" * 10])
+    data = path.read_bytes()
+    assert data[: 2 * PAGE - 190] == b"x" * (2 * PAGE - 200) + b"y" * 10
+    assert data[2 * PAGE - 190 :] == bytes(len(data) - (2 * PAGE - 190))
