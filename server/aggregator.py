@@ -260,11 +260,6 @@ class Aggregator(Readings):
         """The learner id that opened the session, its lease renewed; NotFound when none."""
         return self._learners.renew(session_id).learner_id  # learners.py's lock
 
-    def learner_of(self, session_id: str) -> str:
-        """The learner id that opened the session ("" when none), its lease left as it is."""
-        learner = self._learners.of_session(session_id)
-        return "" if learner is None else learner.learner_id
-
     def pull(
         self, session_id: str, fragment_id: int, have_version: int, slice_of=(0, 1)
     ) -> PullResult:

@@ -94,6 +94,11 @@ class Readings:
     def has_session(self, session_id: str) -> bool:  # learners.py's lock
         return self._learners.of_session(session_id) is not None
 
+    def learner_of(self, session_id: str) -> str:  # learners.py's lock
+        """The learner id that opened the session ("" when none), its lease left as it is."""
+        learner = self._learners.of_session(session_id)
+        return "" if learner is None else learner.learner_id
+
     def has_fragment(self, fragment_id: int) -> bool:
         with self._cond:
             return self._params.has(fragment_id)

@@ -181,9 +181,7 @@ class Admission:
             check_claim(tokens, inner_steps, learner.tokens_per_step)
         except ValueError as err:
             self._events.influence_bounded("claim_refused")
-            rnd.excuse(learner.learner_id)
-            learner.refused += 1
-            raise PushRefused(str(err)) from err
+            raise refused(rnd, learner, err) from err
         weight, capped = self._weight(learner, tokens, inner_steps, live)
         discount = staleness_discount(fragment.version - base_version)
         _check_round_sum_fits(rnd, weight * discount, body.max_abs)
@@ -191,9 +189,7 @@ class Admission:
         try:
             guard.check(body.norm)
         except ValueError as err:
-            rnd.excuse(learner.learner_id)
-            learner.refused += 1
-            raise PushRefused(str(err)) from err
+            raise refused(rnd, learner, err) from err
         keep = self.config.robust_merge == "trimmed-mean"
         now = self._clock()
         ticket = rnd.add(learner.learner_id, body, tokens, weight, discount, keep, add_later, now)
@@ -232,6 +228,14 @@ class Admission:
         ]
         weight = capped_weight(claimed, others, self.config.max_weight_ratio)
         return weight, weight < claimed
+
+
+def refused(rnd: Round, learner: Learner, err: ValueError) -> PushRefused:
+    """A refusal of `learner`'s push for `err`: it is excused from the round (which then
+    does not wait for it) and counted against it (the status page's refused pushes)."""
+    rnd.excuse(learner.learner_id)
+    learner.refused += 1
+    return PushRefused(str(err))
 
 
 def contribution_weight(weighting: str, tokens: int, steps: int) -> float:

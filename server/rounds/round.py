@@ -62,7 +62,6 @@ class Round:
     weight_sum: float = 0.0  # Σ weight (undiscounted: stale contributions shrink the step)
     contributors: set[str] = field(default_factory=set)
     weights: dict[str, float] = field(default_factory=dict)  # each contributor's weight
-    largest_share: float = 0.0  # of the weight one learner held, set when the round closes
     # Learners whose push was refused (norm guard, token claim): the round does not wait for
     # them, and a round that ends with no accepted push takes no step (policy.py).
     excused: set[str] = field(default_factory=set)
@@ -153,6 +152,11 @@ class Round:
             pending, self.deferred = self.deferred, []  # as in add
             add_in_turn(pending, self.delta_sum)
 
+    @property
+    def largest_share(self) -> float:
+        """The largest share of the round's weight one learner holds (after any cap)."""
+        return max(self.weights.values()) / self.weight_sum if self.weight_sum > 0 else 0.0
+
     def cap_shares(self, max_share: float) -> None:
         """Hold each learner's weight to `max_share` of the round's (0: unbounded) before the
         close; only a trimmed mean's round can (its sum is made at the close, from `kept`)."""
@@ -177,8 +181,6 @@ class Round:
             trim = trim_count(len(self.kept), trim_fraction)
             trimmed_mean_into(self.delta_sum, self.kept, trim, self.weight_sum)
             self.kept = None
-        if self.weight_sum > 0:
-            self.largest_share = max(self.weights.values()) / self.weight_sum
         denominator = max(self.weight_sum, expected_weight)
         if self.senders is not None and self.senders.values is not None:
             self.spare_senders = self.senders.divide(self.delta_sum, self.weight_sum / denominator)

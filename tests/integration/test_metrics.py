@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import pytest
 from common.retry import wait_until
 from deploy.launcher import Daemon, start_daemon, stop_all
 from deploy.prometheus_api import instant_query
-from tests.support.processes import learner_process, server_process
+from tests.support.processes import free_ports, learner_process, server_process
 
 DEADLINE_S = 90
 
@@ -32,13 +31,6 @@ def require(binary: str) -> str:
             pytest.fail(f"{binary} is not installed (apt-get install prometheus)")
         pytest.skip(f"{binary} is not installed (apt-get install prometheus)")
     return path
-
-
-def free_port() -> int:
-    # Prometheus cannot report a port it picked itself; the gap until it binds is tiny.
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -86,7 +78,7 @@ def test_promtool_accepts_both_endpoints(daemons: dict[str, int]) -> None:
 
 def test_prometheus_scrapes_training_progress(daemons: dict[str, int], tmp_path: Path) -> None:
     binary = require("prometheus")
-    web_port = free_port()
+    (web_port,) = free_ports(1)  # Prometheus cannot report a port it picked itself
     config = tmp_path / "prometheus.yml"
     targets = [f"127.0.0.1:{daemons['server']}", f"127.0.0.1:{daemons['learner']}"]
     config.write_text(

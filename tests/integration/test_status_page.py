@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,22 +19,10 @@ import pytest
 
 from common.retry import wait_until
 from deploy.launcher import Daemon, stop_all
-from tests.support.processes import learner_process, server_process
+from tests.support.processes import free_ports, learner_process, server_process
 
 WAIT_S = 180.0
 SHARDS = 2
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports for the shards' addresses, known before they start (the map lists them all)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def fetch(url: str) -> bytes | None:
@@ -51,7 +38,7 @@ def run(tmp_path_factory) -> Iterator[dict]:
     """2 shards (each owning one of 2 fragments, sync mode, a state dir each) and 2 learners
     pushing to both; yields each shard's status page URL."""
     tmp_path = tmp_path_factory.mktemp("status")
-    ports = free_ports(2 * SHARDS)
+    ports = free_ports(2 * SHARDS)  # the shard map and the links list them all before start
     grpc_ports, metrics_ports = ports[:SHARDS], ports[SHARDS:]
     addresses = ",".join(f"127.0.0.1:{p}" for p in grpc_ports)
     urls = [f"http://127.0.0.1:{p}/status" for p in metrics_ports]

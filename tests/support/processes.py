@@ -11,13 +11,15 @@ port 0 and a port file, stopped by PID.
 from __future__ import annotations
 
 import math
+import socket
 from pathlib import Path
 
 from deploy.launcher import LEARNER, REPO, SERVER, Daemon, start_daemon
 from deploy.prometheus_api import scrape
 
 __all__ = [
-    "REPO", "TINY_LEARNER_FLAGS", "learner_log", "learner_process", "metric", "server_process",
+    "REPO", "TINY_LEARNER_FLAGS", "free_ports", "learner_log", "learner_process", "metric",
+    "server_process",
 ]  # fmt: skip
 
 # A model and data small enough that an outer step takes well under a second on one core.
@@ -74,6 +76,19 @@ def learner_process(
         tmp_path / f"{learner_id}.log",
         metrics=metrics,
     )
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free loopback ports, for daemons whose ports must be known before
+    they start; the gap until they bind them is tiny."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def learner_log(tmp_path: Path, learner_id: str) -> str:
