@@ -15,10 +15,10 @@ import torch
 
 from bench.scale_fleet import FRAGMENTS, TENSORS, Model
 from bench.snapshot_probes import POLL_EVERY_S, dir_bytes
-from common.direct_io import O_DIRECT, PAGE
+from common.direct_io import O_DIRECT, PAGE, WRITE_BLOCK, PagePool
 from server.state.formats import prepare_fragment, write_fragment
 
-DISK_BLOCK = 64 << 20
+DISK_BLOCK = WRITE_BLOCK  # as the snapshot writer hands its bytes over
 
 
 def disk_write_s(directory: Path, nbytes: int) -> float:
@@ -85,13 +85,11 @@ def writer_alone_s(directory: Path, model: Model) -> tuple[int, float]:
     }
     target = directory / "writer-alone"
     target.mkdir()
-    started, spare = time.perf_counter(), []  # buffers reused as the server's writer does
+    started, pool = time.perf_counter(), PagePool()  # buffers reused as the server's writer does
     try:
         for index in range(FRAGMENTS):
-            prepared = prepare_fragment(state, spare.pop() if spare else None)
-            write_fragment(target, index, prepared, spare.append)
+            write_fragment(target, index, prepare_fragment(state, pool), pool)
         return dir_bytes(target) or 0, time.perf_counter() - started
     finally:
-        for buffer in spare:
-            buffer.close()
+        pool.close()
         shutil.rmtree(target, ignore_errors=True)

@@ -27,7 +27,7 @@ In bench/results/snapshots.json (--quick: snapshots_quick.json):
                        and the rename); metric_snapshot_s is the server's own timer
                        (diloco_server_snapshot_write_seconds _sum / _count over the window)
   disk_mb_s            this process writing as many bytes as the largest snapshot to one file
-                       in 64 MiB blocks, then fsync, in the state dir's parent on the same
+                       in 256 MiB blocks (as the writer), then fsync, in the state dir's parent on the same
                        filesystem, after the server stopped (then deleted), the faster of
                        through the page cache and O_DIRECT; MB = 1e6 bytes
   disk_serving_mb_s    the same write while the server still serves the learners, between two

@@ -3,8 +3,9 @@
     image = TensorFileImage({"0": t0, "1": t1})   # copies the tensors' bytes (take a lock)
     specs = image.specs()                          # each tensor's dtype, shape and CRC32
     image.write(path)                              # O_DIRECT where the filesystem takes it; fsync
-    image.close(keep=spare.append)                 # its buffer kept for the next image
-    TensorFileImage(tensors, buffer=spare.pop())   # built in pages already mapped
+    image.close()                                  # its memory goes back
+    TensorFileImage(tensors, pool)                 # built in a PagePool's pages, given back
+                                                   # to it at close() for the next image
 
 Why: a server snapshots its state while it serves. Through the page cache a write costs a
 memory copy into the cache on top of the copy that takes the state out from under the lock,
@@ -12,7 +13,8 @@ and on a busy machine that copy runs at a fraction of the disk's speed (bench/sn
 Here the one copy builds the file's bytes, and O_DIRECT hands them to the disk from there.
 A fresh buffer costs a page fault for each 4 KiB it maps and the kernel's zeroing of it: three
 quarters of a copy's time into it (1.3 GB: 0.34 s, 0.10 s into a buffer already mapped), and
-that copy is taken under a fragment's lock. A writer of several images reuses their buffers.
+that copy is taken under a fragment's lock. A writer of several images reuses their buffers
+(common/direct_io.PagePool).
 Filesystems without O_DIRECT (tmpfs, some network filesystems) get the same bytes through
 the page cache, said once in the log. The file is a plain safetensors file: the JSON header
 is padded with spaces (as the format allows) so that the data starts on a page boundary.
@@ -24,13 +26,12 @@ import json
 import math
 import mmap
 import struct
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from common.checksum import crc32
-from common.direct_io import PAGE, write_pages
+from common.direct_io import PAGE, PagePool, write_pages
 
 _DTYPES = {
     torch.float64: "F64",
@@ -49,8 +50,8 @@ _DTYPES = {
 class TensorFileImage:
     """The bytes of one safetensors file holding `tensors` (name -> tensor), in memory."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], buffer: mmap.mmap | None = None) -> None:
-        """`buffer`: an earlier image's (close(keep=...)), used if large enough, else closed."""
+    def __init__(self, tensors: dict[str, torch.Tensor], pool: PagePool | None = None) -> None:
+        """`pool`: where the image's buffer comes from and goes back to at close()."""
         offsets, position = {}, 0
         for name, t in tensors.items():
             if t.dtype not in _DTYPES:
@@ -65,12 +66,10 @@ class TensorFileImage:
         head = json.dumps(header, separators=(",", ":")).encode()
         self._data_start = math.ceil((8 + len(head)) / PAGE) * PAGE  # the header, padded
         self.size = self._data_start + position
-        pages = max(PAGE, math.ceil(self.size / PAGE) * PAGE)
-        if buffer is not None and len(buffer) < pages:
-            buffer.close()
-            buffer = None
-        self._buffer = buffer if buffer is not None else mmap.mmap(-1, pages)  # page-aligned
+        self._pool = pool if pool is not None else PagePool(keeps=False)
+        self._buffer: mmap.mmap | None = self._pool.take(self.size)  # page-aligned
         self._view = memoryview(self._buffer)
+        self._specs: dict[str, dict] | None = None
         padded = head + b" " * (self._data_start - 8 - len(head))
         self._view[: self._data_start] = struct.pack("<Q", len(padded)) + padded
         self._regions = {}
@@ -88,23 +87,26 @@ class TensorFileImage:
 
     def specs(self) -> dict[str, dict]:
         """Each tensor's dtype (torch's name: "float32"), shape and CRC32 (over its bytes as
-        written), by name."""
-        return {
-            name: {"dtype": dtype, "shape": shape, "crc32": crc32(self._regions[name])}
-            for name, (dtype, shape) in self._described.items()
-        }
+        written), by name; computed at the first call (a writer calls it while the disk
+        takes the image before)."""
+        if self._specs is None:
+            self._specs = {
+                name: {"dtype": dtype, "shape": shape, "crc32": crc32(self._regions[name])}
+                for name, (dtype, shape) in self._described.items()
+            }
+        return self._specs
 
     def write(self, path: Path) -> None:
         """Write the file at `path` (new or replaced) and fsync it."""
         write_pages(path, self._view, self.size)
 
-    def close(self, keep: Callable[[mmap.mmap], object] | None = None) -> None:
-        """Give the memory back, or hand the buffer to `keep` for another image."""
+    def close(self) -> None:
+        """Give the buffer back to its pool (the memory back, without one); once."""
+        if self._buffer is None:
+            return
         for region in self._regions.values():
             region.release()
         self._regions = {}
         self._view.release()
-        if keep is not None:
-            keep(self._buffer)
-        else:
-            self._buffer.close()
+        buffer, self._buffer = self._buffer, None
+        self._pool.give(buffer)

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 
 from common.atomic import atomic_write
 from common.checksum import crc32
-from common.direct_io import DirectAppend, write_parts
+from common.direct_io import DirectAppend, PagePool, write_parts
 from common.errors import NotFound
 from common.tensor_file import TensorFileImage
 from server.state.params import ParamSpec
@@ -83,33 +83,51 @@ def _join(value: Any, tensor: Callable[[str], torch.Tensor], blob: Callable[[lis
     return value
 
 
-def prepare_fragment(state: dict, buffer=None) -> tuple[Any, TensorFileImage, list[bytes]]:
-    """One fragment's state (FragmentState.state_dict) ready to write: its JSON fields, its
-    tensors copied into their file's image (under the caller's lock: the copy is the only
-    one; `buffer`: an earlier image's), and its update chains (bytes: immutable, not copied)."""
+@dataclass
+class PreparedFragment:
+    """One fragment's state ready to write: its JSON fields, its tensors copied into their
+    file's image, and its update chains (bytes: immutable, not copied)."""
+
+    fields: Any
+    image: TensorFileImage
+    blobs: list[bytes]
+
+    def checksum(self) -> None:
+        """Take the image's CRCs now (off the lock, while the disk takes the fragment before;
+        else write_fragment takes them between its writes)."""
+        self.image.specs()
+
+
+def prepare_fragment(state: dict, pool: PagePool | None = None) -> PreparedFragment:
+    """A fragment's state (FragmentState.state_dict) ready to write: its tensors copied into
+    an image in `pool`'s pages (under the caller's lock: the copy is the only one)."""
     tensors: dict[str, torch.Tensor] = {}
     blobs: list[bytes] = []
     fields = _split(state, tensors, blobs)
-    return fields, TensorFileImage(tensors, buffer), blobs
+    return PreparedFragment(fields, TensorFileImage(tensors, pool), blobs)
 
 
-def write_fragment(directory: Path, index: int, prepared: tuple, keep=None) -> dict:
-    """Write a prepared fragment into `directory` (fsynced); returns its manifest entry.
-    `keep` takes the image's buffer for the next fragment's (TensorFileImage.close)."""
-    fields, image, blobs = prepared
+def write_fragment(
+    directory: Path, index: int, prepared: PreparedFragment, pool: PagePool | None = None
+) -> dict:
+    """Write a prepared fragment into `directory` (fsynced); returns its manifest entry. The
+    image's buffer goes back to its pool, and the update chains are staged in `pool`'s."""
+    image, blobs = prepared.image, prepared.blobs
     tensor_file = directory / f"fragment-{index}.safetensors"
     try:
         image.write(tensor_file)
         specs = image.specs()  # dtype, shape and CRC32 of each tensor
     finally:
-        image.close(keep)
+        image.close()
     blob_file = directory / f"fragment-{index}.updates"
     ends = list(itertools.accumulate(len(data) for data in blobs))
     offsets = [
         [end - len(data), len(data), crc32(data)] for end, data in zip(ends, blobs, strict=True)
     ]
-    write_parts(blob_file, blobs)  # O_DIRECT too: a buffered write + fsync is 2-7x slower
-    fields = _join(fields, lambda name: {"__tensor__": name}, lambda i: {"__bytes__": offsets[i]})
+    write_parts(blob_file, blobs, pool)  # O_DIRECT too: a buffered write + fsync is 2-7x slower
+    fields = _join(
+        prepared.fields, lambda name: {"__tensor__": name}, lambda i: {"__bytes__": offsets[i]}
+    )
     return {
         "fields": fields,
         "tensors": specs,

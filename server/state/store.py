@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.direct_io import DirectAppend
+from common.direct_io import DirectAppend, PagePool
 from common.errors import Unavailable
 from server.state.formats import (
     LogRecord,
@@ -209,21 +209,21 @@ class Persistence:
         (else the caller holds the Aggregator's lock throughout)."""
         held = self._lock if off_lock else contextlib.nullcontext()
         started, entries, failure, versions = time.perf_counter(), [], None, {}
-        spare: list = []  # written images' buffers, for the next copies (already mapped)
+        pool = PagePool()  # written images' buffers, for the next copies (already mapped)
         try:
-            # Each fragment's copy (its file's image) under its state lock, its write off it,
-            # while the next one is copied: at most two copies (two buffers) at a time.
+            # Each fragment's copy (its file's image) under its state lock, its CRCs and write
+            # off it, while the next one is copied: at most two images at a time.
             with ThreadPoolExecutor(1, thread_name_prefix="snapshot-write") as writer:
                 writing: Future | None = None
                 for fragment in fragments:
                     with fragment.state_lock if off_lock else contextlib.nullcontext():
-                        buffer = spare.pop() if spare else None
-                        prepared = prepare_fragment(fragment.state_dict(), buffer)
+                        prepared = prepare_fragment(fragment.state_dict(), pool)
                         versions[fragment.fragment_id] = fragment.version
+                    prepared.checksum()
                     if writing is not None:
                         entries.append(writing.result())
                     fid = fragment.fragment_id
-                    writing = writer.submit(write_fragment, self._tmp, fid, prepared, spare.append)
+                    writing = writer.submit(write_fragment, self._tmp, fid, prepared, pool)
                     del prepared
                 if writing is not None:
                     entries.append(writing.result())
@@ -239,8 +239,7 @@ class Persistence:
                 "snapshot written to %s: fragment versions %s, in %.2f s", path, versions, seconds
             )
         finally:
-            for buffer in spare:
-                buffer.close()
+            pool.close()
             with held:  # waiters woken first: nothing after may keep them waiting
                 self.snapshot_running = False
                 self._lock.notify_all()

@@ -66,11 +66,11 @@ class HeldWrite:
         self.entered, self._release = threading.Event(), threading.Event()
         real = store_module.write_fragment
 
-        def held(directory, index, state, keep=None):
+        def held(directory, index, state, pool=None):
             if index == fragment:
                 self.entered.set()
                 self._release.wait(WAIT_S)
-            return real(directory, index, state, keep)
+            return real(directory, index, state, pool)
 
         monkeypatch.setattr(store_module, "write_fragment", held)
 
@@ -246,11 +246,11 @@ def test_a_snapshot_copies_each_fragment_without_the_aggregators_lock(
     first_copy, go = threading.Event(), threading.Event()
     real = store_module.prepare_fragment
 
-    def waits_once(state, buffer=None):
+    def waits_once(state, pool=None):
         if not first_copy.is_set():
             first_copy.set()
             go.wait(WAIT_S)
-        return real(state, buffer)
+        return real(state, pool)
 
     monkeypatch.setattr(store_module, "prepare_fragment", waits_once)
     held = HeldWrite(monkeypatch, fragment=1)  # reached once both fragments are copied

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 import common.direct_io as direct_io
 from common.checksum import crc32
-from common.direct_io import PAGE
+from common.direct_io import PAGE, PagePool
 from common.tensor_file import TensorFileImage
 from tests.support.direct_io_faults import refuse_at_open, refuse_at_write
 
@@ -118,3 +118,43 @@ def test_a_write_that_fails_raises_its_own_error_and_frees_the_image(tmp_path, m
             image.write(tmp_path / "f.safetensors")
         finally:
             image.close()  # as a snapshot does, while the error is on its way
+
+
+def test_images_of_one_pool_reuse_its_buffers_and_give_each_back_once(tmp_path) -> None:
+    """A writer of several images copies into pages already mapped: the second image of a
+    pool takes the first's buffer, and a buffer closed twice is still given back once (two
+    images sharing one buffer would corrupt each other)."""
+    pool = PagePool()
+    first = TensorFileImage({"t": torch.randn(3 * PAGE)}, pool)
+    first_buffer = first._buffer
+    first.write(tmp_path / "a.safetensors")
+    first.close()
+    first.close()
+    second = TensorFileImage({"t": torch.randn(2 * PAGE)}, pool)
+    third = TensorFileImage({"t": torch.randn(2 * PAGE)}, pool)
+    try:
+        assert second._buffer is first_buffer  # large enough: taken again
+        assert third._buffer is not first_buffer  # given back once, so taken once
+        expected = torch.randn(2 * PAGE)
+        second.close()
+        fourth = TensorFileImage({"t": expected}, pool)  # the same pages, new bytes
+        fourth.write(tmp_path / "b.safetensors")
+        fourth.close()
+        with safe_open(tmp_path / "b.safetensors", "pt") as f:
+            assert torch.equal(f.get_tensor("t"), expected)
+    finally:
+        third.close()
+        pool.close()
+
+
+def test_a_pool_hands_out_the_smallest_buffer_that_fits() -> None:
+    """An update chain's staging (small) does not take a tensor image's buffer (large) while
+    its own fits, so the next image's copy still finds pages already mapped."""
+    pool = PagePool()
+    small, large = pool.take(PAGE), pool.take(8 * PAGE)
+    pool.give(large)
+    pool.give(small)
+    assert pool.take(PAGE // 2) is small
+    assert pool.take(5 * PAGE) is large
+    assert len(pool.take(9 * PAGE)) == 9 * PAGE  # none fits: a new one
+    pool.close()
