@@ -119,10 +119,10 @@ def test_a_lightning_trainer_syncs_through_its_callback(start_service, tmp_path)
     assert_holds_the_servers_parameters(service, module)
 
 
-def test_the_core_install_imports_neither_trainer_library() -> None:
+def test_the_core_install_imports_no_trainer_library() -> None:
     code = (
         "import sys, learner.api, learner.main, server.main\n"
-        "loaded = {'transformers', 'lightning', 'accelerate'} & set(sys.modules)\n"
+        "loaded = {'transformers', 'lightning', 'accelerate', 'torchtitan'} & set(sys.modules)\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
