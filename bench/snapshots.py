@@ -27,9 +27,10 @@ In bench/results/snapshots.json (--quick: snapshots_quick.json):
                        and the rename); metric_snapshot_s is the server's own timer
                        (diloco_server_snapshot_write_seconds _sum / _count over the window)
   disk_mb_s            this process writing as many bytes as the largest snapshot to one file
-                       in 256 MiB blocks (as the writer), then fsync, in the state dir's parent on the same
-                       filesystem, after the server stopped (then deleted), the faster of
-                       through the page cache and O_DIRECT; MB = 1e6 bytes
+                       in 256 MiB blocks (as the writer), then fsync, in the state dir's
+                       parent on the same filesystem, after the server stopped (then
+                       deleted), the faster of through the page cache and O_DIRECT;
+                       MB = 1e6 bytes
   disk_serving_mb_s    the same write while the server still serves the learners, between two
                        snapshots (None if a snapshot overlapped three tries): the disk and the
                        CPUs as busy as a snapshot finds them, less the snapshot itself

@@ -52,6 +52,8 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every write is buffere
 # disk's speed, as alone).
 WRITE_BLOCK = 256 << 20
 BOUNCE_BYTES = 64 << 20  # an append's aligned staging buffer (a multiple of PAGE); see above
+_PRIVATE_MAPPING = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+_LAZY_FREE = getattr(mmap, "MADV_FREE", None)  # Linux 4.5+, the BSDs, macOS
 _direct_refused: set[int] = set()  # the filesystems (st_dev) that refused O_DIRECT, said once
 
 
@@ -87,7 +89,7 @@ def write_parts(path: Path, parts: Sequence[bytes], pool: PagePool | None = None
     into one page-aligned buffer (`pool`'s, else a fresh one), then O_DIRECT where the
     filesystem takes it; fsync."""
     size = sum(len(part) for part in parts)
-    pool = pool if pool is not None else PagePool(keeps=False)
+    pool = pool if pool is not None else PagePool(keep=0)
     buffer = pool.take(size)
     try:
         # numpy's copy lets the GIL go (a memoryview's held it 0.49 s for 200 MB: a serving
@@ -108,11 +110,11 @@ def write_parts(path: Path, parts: Sequence[bytes], pool: PagePool | None = None
 
 class PagePool:
     """Page-aligned buffers handed from one write to the next (module docstring); a buffer
-    is taken by one caller at a time, from any thread. `keeps`: False for a pool of one use,
-    whose buffers close as they come back."""
+    is taken by one caller at a time, from any thread. It holds at most `keep` free buffers
+    (0: a buffer is unmapped as it comes back), the smallest going first."""
 
-    def __init__(self, keeps: bool = True) -> None:
-        self.keeps = keeps
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
 
@@ -125,23 +127,40 @@ class PagePool:
                 chosen = min(fits, key=len)
                 self._free.remove(chosen)
                 return chosen
-        return mmap.mmap(-1, pages)
+        # Private: its pages are the process's own (a shared mapping's live in shmem, whose
+        # faults cost more) and may be lent back to the kernel (idle()).
+        return mmap.mmap(-1, pages, flags=_PRIVATE_MAPPING)
 
     def give(self, buffer: mmap.mmap) -> None:
-        if not self.keeps:
-            with contextlib.suppress(BufferError):  # still viewed: its last view unmaps it
-                buffer.close()
-            return
         with self._lock:
             self._free.append(buffer)
+            self._free.sort(key=len)
+            surplus = max(0, len(self._free) - self.keep)
+            extra, self._free = self._free[:surplus], self._free[surplus:]
+        _unmap(extra)
+
+    def idle(self) -> None:
+        """Lend the free buffers' pages back to the kernel until they are next written
+        (MADV_FREE): it takes them only when memory runs short, and a copy into pages it
+        left costs a third more than into pages kept (1.07 GB: 0.17 s; kept 0.085, fresh
+        0.24, on an idle machine here; a loaded one faulted fresh pages in 1.1-1.5 s)."""
+        if _LAZY_FREE is None:
+            return
+        with self._lock:
+            for buffer in self._free:
+                buffer.madvise(_LAZY_FREE)
 
     def close(self) -> None:
         """Unmap every free buffer (one still viewed unmaps when its last view goes)."""
         with self._lock:
             free, self._free = self._free, []
-        for buffer in free:
-            with contextlib.suppress(BufferError):
-                buffer.close()
+        _unmap(free)
+
+
+def _unmap(buffers: list[mmap.mmap]) -> None:
+    for buffer in buffers:
+        with contextlib.suppress(BufferError):  # still viewed: its last view unmaps it
+            buffer.close()
 
 
 class DirectAppend:

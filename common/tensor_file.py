@@ -66,7 +66,7 @@ class TensorFileImage:
         head = json.dumps(header, separators=(",", ":")).encode()
         self._data_start = math.ceil((8 + len(head)) / PAGE) * PAGE  # the header, padded
         self.size = self._data_start + position
-        self._pool = pool if pool is not None else PagePool(keeps=False)
+        self._pool = pool if pool is not None else PagePool(keep=0)
         self._buffer: mmap.mmap | None = self._pool.take(self.size)  # page-aligned
         self._view = memoryview(self._buffer)
         self._specs: dict[str, dict] | None = None

@@ -115,6 +115,9 @@ class Persistence:
         self._lock = lock or threading.Condition()
         self._store = StateStore(config.state_dir) if config.state_dir else None
         self._rounds_since_snapshot = 0
+        # Snapshot buffers kept for the next snapshot's copies (PagePool.idle between): a copy
+        # into fresh pages took 1.1-1.5 s a 1.07 GB fragment under load, under its state lock.
+        self._pool = PagePool()
         self.snapshot_running = False
         self.failure: str | None = None  # why the state dir cannot be written, once it failed
 
@@ -209,7 +212,7 @@ class Persistence:
         (else the caller holds the Aggregator's lock throughout)."""
         held = self._lock if off_lock else contextlib.nullcontext()
         started, entries, failure, versions = time.perf_counter(), [], None, {}
-        pool = PagePool()  # written images' buffers, for the next copies (already mapped)
+        pool = self._pool
         try:
             # Each fragment's copy (its file's image) under its state lock, its CRCs and write
             # off it, while the next one is copied: at most two images at a time.
@@ -239,7 +242,7 @@ class Persistence:
                 "snapshot written to %s: fragment versions %s, in %.2f s", path, versions, seconds
             )
         finally:
-            pool.close()
+            pool.idle()
             with held:  # waiters woken first: nothing after may keep them waiting
                 self.snapshot_running = False
                 self._lock.notify_all()
@@ -253,6 +256,7 @@ class Persistence:
         if self._store is not None:
             self._store.release()
             self._store = None
+        self._pool.close()
 
 
 def read_state_dir(state_dir: str | Path) -> Restored | None:

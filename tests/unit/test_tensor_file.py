@@ -158,3 +158,25 @@ def test_a_pool_hands_out_the_smallest_buffer_that_fits() -> None:
     assert pool.take(5 * PAGE) is large
     assert len(pool.take(9 * PAGE)) == 9 * PAGE  # none fits: a new one
     pool.close()
+
+
+def test_a_pool_keeps_its_largest_buffers_up_to_its_bound_and_lends_them_while_idle() -> None:
+    """Buffers beyond `keep` are unmapped as they come back, the smallest first; an idle
+    pool's buffers, their pages lent back to the kernel, still take copies."""
+    pool = PagePool(keep=2)
+    buffers = [pool.take(n * PAGE) for n in (1, 3, 2)]
+    for buffer in buffers:
+        pool.give(buffer)
+    assert buffers[0].closed and not buffers[1].closed and not buffers[2].closed
+    pool.idle()
+    again = pool.take(2 * PAGE)
+    assert again is buffers[2]
+    again[:5] = b"write"
+    assert again[:5] == b"write"
+    pool.give(again)
+    pool.close()
+    assert buffers[1].closed and buffers[2].closed
+    one_use = PagePool(keep=0)
+    buffer = one_use.take(PAGE)
+    one_use.give(buffer)
+    assert buffer.closed
