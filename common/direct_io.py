@@ -5,6 +5,7 @@ filesystem takes it.
     write_parts(path, [blob1, blob2])   # byte strings one after another as a file
     pool = PagePool()                   # page-aligned buffers kept from one write to the next
     write_parts(path, blobs, pool)      # staged in a pooled buffer; pool.close() at the end
+    pool.reserve(nbytes)                # mapped and faulted in now, for a take() under a lock
     log = DirectAppend(path)            # an append-only file (a write-ahead log)
     log.append([head, tensor_bytes])    # on disk and fsynced when it returns; cut back on error
     log.close()
@@ -130,6 +131,18 @@ class PagePool:
         # Private: its pages are the process's own (a shared mapping's live in shmem, whose
         # faults cost more) and may be lent back to the kernel (idle()).
         return mmap.mmap(-1, pages, flags=_PRIVATE_MAPPING)
+
+    def reserve(self, nbytes: int) -> None:
+        """Have a free buffer of at least `nbytes` with its pages in memory, so that the next
+        take() of that size, under a caller's lock, neither maps nor faults: a fresh 1 GiB
+        faulted in 0.65 s here (idle), a loaded machine's 1.07 GB in 1.1-1.5 s. The touch
+        goes through numpy, which lets the GIL go (MAP_POPULATE holds it throughout); on
+        pages already in memory, or lent back with idle() and not yet taken, it is quick."""
+        buffer = self.take(nbytes)
+        try:
+            numpy.frombuffer(buffer, dtype=numpy.uint8)[::PAGE] = 0  # a write a page
+        finally:
+            self.give(buffer)
 
     def give(self, buffer: mmap.mmap) -> None:
         with self._lock:

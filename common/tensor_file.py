@@ -52,20 +52,7 @@ class TensorFileImage:
 
     def __init__(self, tensors: dict[str, torch.Tensor], pool: PagePool | None = None) -> None:
         """`pool`: where the image's buffer comes from and goes back to at close()."""
-        offsets, position = {}, 0
-        for name, t in tensors.items():
-            if t.dtype not in _DTYPES:
-                raise TypeError(f"tensor {name}: a snapshot cannot hold {t.dtype}")
-            size = t.numel() * t.element_size()
-            offsets[name] = (position, position + size)
-            position += size
-        header = {
-            name: {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": offsets[name]}
-            for name, t in tensors.items()
-        }
-        head = json.dumps(header, separators=(",", ":")).encode()
-        self._data_start = math.ceil((8 + len(head)) / PAGE) * PAGE  # the header, padded
-        self.size = self._data_start + position
+        head, offsets, self._data_start, self.size = _layout(tensors)
         self._pool = pool if pool is not None else PagePool(keep=0)
         self._buffer: mmap.mmap | None = self._pool.take(self.size)  # page-aligned
         self._view = memoryview(self._buffer)
@@ -84,6 +71,11 @@ class TensorFileImage:
                 flat = t.detach().reshape(-1).view(torch.uint8)
                 torch.frombuffer(region, dtype=torch.uint8).copy_(flat)
             self._regions[name] = region
+
+    @staticmethod
+    def size_of(tensors: dict[str, torch.Tensor]) -> int:
+        """The bytes an image of `tensors` takes (nothing copied)."""
+        return _layout(tensors)[3]
 
     def specs(self) -> dict[str, dict]:
         """Each tensor's dtype (torch's name: "float32"), shape and CRC32 (over its bytes as
@@ -110,3 +102,22 @@ class TensorFileImage:
         self._view.release()
         buffer, self._buffer = self._buffer, None
         self._pool.give(buffer)
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict, int, int]:
+    """The header, each tensor's (start, end) in the data, where the data starts (the header
+    padded to a page) and the image's size."""
+    offsets, position = {}, 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"tensor {name}: a snapshot cannot hold {t.dtype}")
+        size = t.numel() * t.element_size()
+        offsets[name] = (position, position + size)
+        position += size
+    header = {
+        name: {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": offsets[name]}
+        for name, t in tensors.items()
+    }
+    head = json.dumps(header, separators=(",", ":")).encode()
+    data_start = math.ceil((8 + len(head)) / PAGE) * PAGE
+    return head, offsets, data_start, data_start + position

@@ -44,19 +44,18 @@ import torch
 from common.direct_io import DirectAppend, PagePool
 from common.errors import Unavailable
 from server.state.formats import (
-    LogRecord,
     Restored,
     SnapshotError,
-    append_record,
     fsync_path,
+    image_bytes,
     prepare_fragment,
     read_legacy_snapshot,
-    read_log,
     read_snapshot,
     restored_from,
     write_fragment,
     write_manifest,
 )
+from server.state.log_records import LogRecord, append_record, read_log
 from server.state.params import GlobalParams, check_state_identity
 
 if TYPE_CHECKING:
@@ -115,9 +114,7 @@ class Persistence:
         self._lock = lock or threading.Condition()
         self._store = StateStore(config.state_dir) if config.state_dir else None
         self._rounds_since_snapshot = 0
-        # Snapshot buffers kept for the next snapshot's copies (PagePool.idle between): a copy
-        # into fresh pages took 1.1-1.5 s a 1.07 GB fragment under load, under its state lock.
-        self._pool = PagePool()
+        self._pool = PagePool()  # buffers kept for the next snapshot (idle() between)
         self.snapshot_running = False
         self.failure: str | None = None  # why the state dir cannot be written, once it failed
 
@@ -219,6 +216,9 @@ class Persistence:
             with ThreadPoolExecutor(1, thread_name_prefix="snapshot-write") as writer:
                 writing: Future | None = None
                 for fragment in fragments:
+                    with fragment.state_lock if off_lock else contextlib.nullcontext():
+                        size = image_bytes(fragment.state_dict())
+                    pool.reserve(size)  # its pages faulted in off the lock (the copy's cost)
                     with fragment.state_lock if off_lock else contextlib.nullcontext():
                         prepared = prepare_fragment(fragment.state_dict(), pool)
                         versions[fragment.fragment_id] = fragment.version
@@ -367,7 +367,7 @@ class StateStore:
             (self.dir / name).unlink(missing_ok=True)
 
     def append(self, record: LogRecord) -> None:
-        """Append one record, fsynced when this returns (else cut back off: formats.py)."""
+        """Append one record, fsynced when this returns (else cut back off: log_records.py)."""
         if self._log is None:
             self._log = DirectAppend(self.log_path)
         append_record(self._log, record)

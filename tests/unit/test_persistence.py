@@ -13,7 +13,7 @@ import torch
 
 from server.aggregator import Aggregator
 from server.config import aggregator_config
-from server.state.formats import LogRecord
+from server.state.log_records import LogRecord
 from server.state.params import ParamSpec
 from server.state.store import StateStore, read_state_dir
 

@@ -180,3 +180,29 @@ def test_a_pool_keeps_its_largest_buffers_up_to_its_bound_and_lends_them_while_i
     buffer = one_use.take(PAGE)
     one_use.give(buffer)
     assert buffer.closed
+
+
+def test_a_reserved_buffer_is_the_one_the_next_take_of_its_size_gets(monkeypatch) -> None:
+    """reserve() maps the buffer (off the caller's lock), so the take() under it maps none;
+    a free buffer large enough already is picked, not a second one mapped."""
+    mapped = []
+    real_mmap = direct_io.mmap.mmap
+
+    def counting_mmap(*args, **kwargs):
+        mapped.append(args[1])
+        return real_mmap(*args, **kwargs)
+
+    monkeypatch.setattr(direct_io.mmap, "mmap", counting_mmap)
+    pool = PagePool()
+    pool.reserve(3 * PAGE)
+    assert mapped == [3 * PAGE]
+    reserved = pool.take(3 * PAGE)
+    assert mapped == [3 * PAGE] and reserved[:1] == b"\0"
+    pool.give(reserved)
+    pool.reserve(2 * PAGE)  # the 3-page buffer fits: nothing new
+    assert pool.take(2 * PAGE) is reserved and mapped == [3 * PAGE]
+    pool.give(reserved)
+    image = TensorFileImage({"t": torch.arange(4096, dtype=torch.float32)}, pool)
+    assert image.size == TensorFileImage.size_of({"t": torch.zeros(4096)})
+    image.close()
+    pool.close()
