@@ -210,7 +210,11 @@ class ShardedIsland:
 
     def check_joined(self, lost: bool) -> None:
         """Raise IslandRestart on every rank if a server lost the session on any rank."""
-        if not self.all_true(not lost):
+        self._raise_if_lost(not self.all_true(not lost))
+
+    @staticmethod
+    def _raise_if_lost(any_lost: bool) -> None:
+        if any_lost:
             raise IslandRestart(
                 "a server no longer knows the island's session (restarted, or the lease "
                 "ran out): the island restarts to join again (run it with torchrun "
@@ -223,13 +227,13 @@ class ShardedIsland:
         """Bring every rank's replica of the fragment to one version: the newest any
         carrying rank holds (the others pull their slice up to it; HSDP's other replicas
         take replica 0's). Raises IslandRestart if any rank's sync lost its session."""
-        self.check_joined(lost)
-        while True:
+        while True:  # one collective a round: check_joined's flag beside the versions
             version = replica.version if self.carries else -1
             low = version if self.carries else 1 << 62
-            tensor = torch.tensor([-low, version], dtype=torch.int64, device=self.device)
+            tensor = torch.tensor([int(lost), -low, version], dtype=torch.int64, device=self.device)
             dist.all_reduce(tensor, dist.ReduceOp.MAX)
-            low, high = -int(tensor[0]), int(tensor[1])
+            self._raise_if_lost(int(tensor[0]) == 1)
+            low, high = -int(tensor[1]), int(tensor[2])
             if low == high:
                 break
             if self.carries and replica.version < high:
