@@ -55,6 +55,7 @@ WRITE_BLOCK = 256 << 20
 BOUNCE_BYTES = 64 << 20  # an append's aligned staging buffer (a multiple of PAGE); see above
 _PRIVATE_MAPPING = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 _LAZY_FREE = getattr(mmap, "MADV_FREE", None)  # Linux 4.5+, the BSDs, macOS
+_lazy_free_refused: list[OSError] = []  # the kernel's refusal of MADV_FREE, said once
 _direct_refused: set[int] = set()  # the filesystems (st_dev) that refused O_DIRECT, said once
 
 
@@ -138,6 +139,8 @@ class PagePool:
         faulted in 0.65 s here (idle), a loaded machine's 1.07 GB in 1.1-1.5 s. The touch
         goes through numpy, which lets the GIL go (MAP_POPULATE holds it throughout); on
         pages already in memory, or lent back with idle() and not yet taken, it is quick."""
+        if self.keep == 0:
+            return  # nothing stays free for the take() after
         buffer = self.take(nbytes)
         try:
             numpy.frombuffer(buffer, dtype=numpy.uint8)[::PAGE] = 0  # a write a page
@@ -157,11 +160,16 @@ class PagePool:
         (MADV_FREE): it takes them only when memory runs short, and a copy into pages it
         left costs a third more than into pages kept (1.07 GB: 0.17 s; kept 0.085, fresh
         0.24, on an idle machine here; a loaded one faulted fresh pages in 1.1-1.5 s)."""
-        if _LAZY_FREE is None:
+        if _LAZY_FREE is None or _lazy_free_refused:
             return
-        with self._lock:
+        with self._lock:  # no take() meanwhile: a page written before the advice could go
             for buffer in self._free:
-                buffer.madvise(_LAZY_FREE)
+                try:
+                    buffer.madvise(_LAZY_FREE)
+                except OSError as err:  # a kernel without it (Linux < 4.5): the pages stay
+                    _lazy_free_refused.append(err)
+                    log.warning("MADV_FREE refused (%s): idle snapshot buffers stay resident", err)
+                    return
 
     def close(self) -> None:
         """Unmap every free buffer (one still viewed unmaps when its last view goes)."""

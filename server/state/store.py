@@ -242,13 +242,13 @@ class Persistence:
                 "snapshot written to %s: fragment versions %s, in %.2f s", path, versions, seconds
             )
         finally:
-            pool.idle()
             with held:  # waiters woken first: nothing after may keep them waiting
                 self.snapshot_running = False
                 self._lock.notify_all()
                 if failure is not None:
                     self._fail(failure)
                 self._events.snapshot_written(time.perf_counter() - started)
+            pool.idle()
 
     def close(self) -> None:
         """Release the dir (after the last snapshot); nothing is written from then on."""

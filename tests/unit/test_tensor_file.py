@@ -197,12 +197,35 @@ def test_a_reserved_buffer_is_the_one_the_next_take_of_its_size_gets(monkeypatch
     pool.reserve(3 * PAGE)
     assert mapped == [3 * PAGE]
     reserved = pool.take(3 * PAGE)
-    assert mapped == [3 * PAGE] and reserved[:1] == b"\0"
+    assert mapped == [3 * PAGE]
+    reserved[:] = b"\xff" * len(reserved)
     pool.give(reserved)
-    pool.reserve(2 * PAGE)  # the 3-page buffer fits: nothing new
+    pool.reserve(2 * PAGE)  # the 3-page buffer fits: nothing new; each page written
     assert pool.take(2 * PAGE) is reserved and mapped == [3 * PAGE]
+    assert [reserved[i] for i in range(0, 3 * PAGE, PAGE)] == [0, 0, 0]
     pool.give(reserved)
+    one_use = PagePool(keep=0)
+    one_use.reserve(PAGE)  # keeps nothing free: nothing to map
+    assert mapped == [3 * PAGE]
     image = TensorFileImage({"t": torch.arange(4096, dtype=torch.float32)}, pool)
     assert image.size == TensorFileImage.size_of({"t": torch.zeros(4096)})
     image.close()
+    pool.close()
+
+
+def test_a_kernel_that_refuses_lazy_free_leaves_the_pages_and_says_so_once(
+    monkeypatch, caplog
+) -> None:
+    monkeypatch.setattr(direct_io, "_LAZY_FREE", 0x7FFF)  # an advice no kernel takes
+    monkeypatch.setattr(direct_io, "_lazy_free_refused", [])
+    pool = PagePool()
+    buffer = pool.take(PAGE)
+    buffer[:4] = b"kept"
+    pool.give(buffer)
+    with caplog.at_level(logging.WARNING, logger="common.direct_io"):
+        pool.idle()
+        pool.idle()
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["MADV_FREE refused"]
+    assert pool.take(PAGE) is buffer and buffer[:4] == b"kept"
+    pool.give(buffer)
     pool.close()
