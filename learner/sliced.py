@@ -46,6 +46,7 @@ from torch import nn
 
 from common.generated.diloco.v1 import aggregator_pb2 as pb
 from learner.island import Island
+from learner.shard_sessions import SessionLost
 from learner.streaming import FragmentReplica, PullReply
 
 if TYPE_CHECKING:
@@ -237,7 +238,10 @@ class ShardedIsland:
             if low == high:
                 break
             if self.carries and replica.version < high:
-                replica.apply(pull(high))
+                try:
+                    replica.apply(pull(high))
+                except SessionLost:  # the next round tells every rank, and all raise together
+                    lost = True
         if self.replicas > 1:
             self._from_replica_zero(replica, high)
 
