@@ -216,10 +216,11 @@ class Persistence:
             with ThreadPoolExecutor(1, thread_name_prefix="snapshot-write") as writer:
                 writing: Future | None = None
                 for fragment in fragments:
-                    with fragment.state_lock if off_lock else contextlib.nullcontext():
+                    own_lock = fragment.state_lock if off_lock else contextlib.nullcontext()
+                    with own_lock:
                         size = image_bytes(fragment.state_dict())
                     pool.reserve(size)  # its pages faulted in off the lock (the copy's cost)
-                    with fragment.state_lock if off_lock else contextlib.nullcontext():
+                    with own_lock:
                         prepared = prepare_fragment(fragment.state_dict(), pool)
                         versions[fragment.fragment_id] = fragment.version
                     prepared.checksum()
